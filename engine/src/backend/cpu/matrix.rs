@@ -1,0 +1,371 @@
+//! Weight matrices on the CPU: preparation from stored tensors (dequantize or repack) and the
+//! multi-threaded matmul over them.
+
+use rayon::prelude::*;
+
+use super::CpuBuffer;
+use super::blocks::{
+    BlockQ4_1, BlockQ8_0, BlockQ8Act, BlockQ8x16, QBLOCK, f32_to_f16, quantize_activations,
+};
+use super::simd::Kernels;
+use crate::backend::Precision;
+use crate::error::{Error, Result};
+use crate::weights::TensorView;
+use crate::weights::dtype::{DType, QK_K, dequantize, k_scale_min};
+
+/// Row storage of one matrix. Quantized rows hold `cols / 32` blocks each.
+pub enum Rows {
+    F32(Vec<f32>),
+    Q4_1(Vec<BlockQ4_1>),
+    Q8_0(Vec<BlockQ8_0>),
+    Q8x16(Vec<BlockQ8x16>),
+}
+
+/// A group of consecutive output rows stored in one format.
+pub struct Part {
+    pub rows: usize,
+    pub data: Rows,
+}
+
+/// A `[rows, cols]` weight matrix, possibly stacked from parts of different formats (a fused QKV whose V
+/// projection is stored at higher precision, say).
+pub struct CpuMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub parts: Vec<Part>,
+}
+
+fn block_count(v: &TensorView, cols: usize) -> Result<usize> {
+    if cols % QBLOCK != 0 {
+        return Err(Error::tensor(
+            &v.path,
+            &v.name,
+            format!("row length {cols} is not a multiple of 32"),
+        ));
+    }
+    Ok(cols / QBLOCK)
+}
+
+fn prepare_part(v: &TensorView, precision: Precision) -> Result<Part> {
+    let (rows, cols) = v.matrix_shape()?;
+    let bytes = v.bytes();
+    let data = match (precision, v.dtype) {
+        (Precision::Fast, DType::Q4_1) => {
+            block_count(v, cols)?;
+            Rows::Q4_1(
+                bytes
+                    .chunks_exact(20)
+                    .map(|b| BlockQ4_1 {
+                        d: u16::from_le_bytes([b[0], b[1]]),
+                        m: u16::from_le_bytes([b[2], b[3]]),
+                        qs: b[4..20].try_into().unwrap_or_default(),
+                    })
+                    .collect(),
+            )
+        }
+        (Precision::Fast, DType::Q4_0) => {
+            block_count(v, cols)?;
+            // d * (q - 8) = d * q + (-8 d): the same values as Q4_1 with m = -8 d (exact in f16).
+            Rows::Q4_1(
+                bytes
+                    .chunks_exact(18)
+                    .map(|b| {
+                        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                        BlockQ4_1 {
+                            d: u16::from_le_bytes([b[0], b[1]]),
+                            m: f32_to_f16(-8.0 * d),
+                            qs: b[2..18].try_into().unwrap_or_default(),
+                        }
+                    })
+                    .collect(),
+            )
+        }
+        (Precision::Fast, DType::Q8_0) => {
+            block_count(v, cols)?;
+            Rows::Q8_0(
+                bytes
+                    .chunks_exact(34)
+                    .map(|b| BlockQ8_0 {
+                        d: u16::from_le_bytes([b[0], b[1]]),
+                        qs: std::array::from_fn(|j| b[2 + j] as i8),
+                    })
+                    .collect(),
+            )
+        }
+        (Precision::Fast, DType::Q5_0) => {
+            block_count(v, cols)?;
+            // Dequantize each block to its integer levels (-16..16) under the same scale.
+            let mut vals = [0f32; 32];
+            Rows::Q8_0(
+                bytes
+                    .chunks_exact(22)
+                    .map(|b| {
+                        let mut unit = b.to_vec();
+                        unit[0..2].copy_from_slice(&half::f16::from_f32(1.0).to_le_bytes());
+                        dequantize(DType::Q5_0, &unit, &mut vals);
+                        BlockQ8_0 {
+                            d: u16::from_le_bytes([b[0], b[1]]),
+                            qs: std::array::from_fn(|j| vals[j] as i8),
+                        }
+                    })
+                    .collect(),
+            )
+        }
+        (Precision::Fast, DType::Q4_K) => Rows::Q4_1(repack_q4_k(bytes)),
+        (Precision::Fast, DType::Q6_K) => Rows::Q8x16(repack_q6_k(bytes)),
+        _ => Rows::F32(v.to_f32()),
+    };
+    Ok(Part { rows, data })
+}
+
+/// Q4_K super-blocks (8 sub-blocks of 32 with 6-bit scales and mins) as eight Q4_1 blocks. The sub-block
+/// scale `d * sc` is rounded to f16, a relative error below 5e-4 — fast mode only.
+fn repack_q4_k(bytes: &[u8]) -> Vec<BlockQ4_1> {
+    let mut out = Vec::with_capacity(bytes.len() / 144 * 8);
+    for b in bytes.chunks_exact(144) {
+        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let dmin = half::f16::from_le_bytes([b[2], b[3]]).to_f32();
+        let scales = &b[4..16];
+        let qs = &b[16..144];
+        for chunk in 0..4 {
+            let q = &qs[chunk * 32..chunk * 32 + 32];
+            for (sub, shift) in [(2 * chunk, 0u8), (2 * chunk + 1, 4u8)] {
+                let (sc, m) = k_scale_min(sub, scales);
+                // Q4_K packs elements l and l+32 in one byte; Q4_1 packs j and j+16.
+                let nib = |l: usize| (q[l] >> shift) & 0x0f;
+                out.push(BlockQ4_1 {
+                    d: f32_to_f16(d * sc as f32),
+                    m: f32_to_f16(-dmin * m as f32),
+                    qs: std::array::from_fn(|j| nib(j) | (nib(j + 16) << 4)),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Q6_K super-blocks (16 sub-blocks of 16 with int8 scales) as eight Q8x16 blocks.
+fn repack_q6_k(bytes: &[u8]) -> Vec<BlockQ8x16> {
+    let mut out = Vec::with_capacity(bytes.len() / 210 * 8);
+    let mut levels = [0f32; QK_K];
+    for b in bytes.chunks_exact(210) {
+        let d = half::f16::from_le_bytes([b[208], b[209]]).to_f32();
+        // Dequantize with d = 1 and every scale = 1 to read the raw levels (q - 32).
+        let mut unit = b.to_vec();
+        unit[192..208].fill(1);
+        unit[208..210].copy_from_slice(&half::f16::from_f32(1.0).to_le_bytes());
+        dequantize(DType::Q6_K, &unit, &mut levels);
+        let sc = &b[192..208];
+        for blk in 0..8 {
+            out.push(BlockQ8x16 {
+                d: [
+                    f32_to_f16(d * (sc[2 * blk] as i8) as f32),
+                    f32_to_f16(d * (sc[2 * blk + 1] as i8) as f32),
+                ],
+                qs: std::array::from_fn(|j| levels[blk * 32 + j] as i8),
+            });
+        }
+    }
+    out
+}
+
+impl CpuMatrix {
+    pub fn prepare(parts: &[TensorView], precision: Precision) -> Result<CpuMatrix> {
+        let first = parts
+            .first()
+            .ok_or_else(|| Error::InvalidRequest("a matrix needs at least one tensor".into()))?;
+        let (_, cols) = first.matrix_shape()?;
+        let mut prepared: Vec<Part> = Vec::with_capacity(parts.len());
+        for v in parts {
+            let (_, c) = v.matrix_shape()?;
+            if c != cols {
+                return Err(Error::tensor(
+                    &v.path,
+                    &v.name,
+                    format!("row length {c} differs from `{}` ({cols})", first.name),
+                ));
+            }
+            let p = prepare_part(v, precision)?;
+            // Stack onto the previous part when both use the same format.
+            match (prepared.last_mut(), p) {
+                (Some(last), p) if same_format(&last.data, &p.data) => {
+                    last.rows += p.rows;
+                    append(&mut last.data, p.data);
+                }
+                (_, p) => prepared.push(p),
+            }
+        }
+        Ok(CpuMatrix {
+            rows: prepared.iter().map(|p| p.rows).sum(),
+            cols,
+            parts: prepared,
+        })
+    }
+
+    /// Row `r` dequantized into `out` (embedding lookups).
+    pub fn row_f32(&self, mut r: usize, out: &mut [f32]) {
+        for p in &self.parts {
+            if r >= p.rows {
+                r -= p.rows;
+                continue;
+            }
+            let nb = self.cols / QBLOCK;
+            match &p.data {
+                Rows::F32(d) => out.copy_from_slice(&d[r * self.cols..(r + 1) * self.cols]),
+                Rows::Q4_1(b) => {
+                    for (blk, o) in b[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
+                        let (d, m) = (
+                            super::blocks::f16_to_f32(blk.d),
+                            super::blocks::f16_to_f32(blk.m),
+                        );
+                        for j in 0..16 {
+                            o[j] = (blk.qs[j] & 0x0f) as f32 * d + m;
+                            o[j + 16] = (blk.qs[j] >> 4) as f32 * d + m;
+                        }
+                    }
+                }
+                Rows::Q8_0(b) => {
+                    for (blk, o) in b[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
+                        let d = super::blocks::f16_to_f32(blk.d);
+                        for j in 0..32 {
+                            o[j] = blk.qs[j] as f32 * d;
+                        }
+                    }
+                }
+                Rows::Q8x16(b) => {
+                    for (blk, o) in b[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
+                        for j in 0..32 {
+                            o[j] = blk.qs[j] as f32 * super::blocks::f16_to_f32(blk.d[j / 16]);
+                        }
+                    }
+                }
+            }
+            return;
+        }
+    }
+}
+
+fn same_format(a: &Rows, b: &Rows) -> bool {
+    matches!(
+        (a, b),
+        (Rows::F32(_), Rows::F32(_))
+            | (Rows::Q4_1(_), Rows::Q4_1(_))
+            | (Rows::Q8_0(_), Rows::Q8_0(_))
+            | (Rows::Q8x16(_), Rows::Q8x16(_))
+    )
+}
+
+fn append(a: &mut Rows, b: Rows) {
+    match (a, b) {
+        (Rows::F32(x), Rows::F32(y)) => x.extend(y),
+        (Rows::Q4_1(x), Rows::Q4_1(y)) => x.extend(y),
+        (Rows::Q8_0(x), Rows::Q8_0(y)) => x.extend(y),
+        (Rows::Q8x16(x), Rows::Q8x16(y)) => x.extend(y),
+        _ => unreachable!("append is only called on parts of the same format"),
+    }
+}
+
+/// A raw output pointer shared by the threads of one matmul; each thread writes disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Row chunks per matmul: enough for work stealing to balance, few enough to keep dispatch cheap.
+fn chunk_rows(rows: usize, n_tokens: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let target_chunks = if n_tokens > 1 {
+        threads * 8
+    } else {
+        threads * 4
+    };
+    rows.div_ceil(target_chunks).max(4)
+}
+
+/// Tokens at or above this count use the blocked f32 GEMM instead of row dot products.
+const GEMM_MIN_TOKENS: usize = 6;
+
+pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
+    let n = x.rows;
+    assert_eq!(x.cols, w.cols, "matmul input width");
+    out.resize(n, w.rows);
+    let needs_act = w.parts.iter().any(|p| !matches!(p.data, Rows::F32(_)));
+    let nb = w.cols / QBLOCK;
+    let acts: Vec<BlockQ8Act> = if needs_act {
+        let mut a = vec![BlockQ8Act::default(); n * nb];
+        a.par_chunks_mut(nb)
+            .zip(x.data.par_chunks(w.cols))
+            .for_each(|(ab, xr)| quantize_activations(xr, ab));
+        a
+    } else {
+        Vec::new()
+    };
+    let out_ptr = OutPtr(out.data.as_mut_ptr());
+    let out_stride = w.rows;
+    let mut col0 = 0;
+    for p in &w.parts {
+        match &p.data {
+            Rows::F32(data) if n >= GEMM_MIN_TOKENS => {
+                // SAFETY: dst is `out` at column col0 with row stride out_stride, `n x p.rows` in bounds;
+                // lhs is x (`n x cols`), rhs is the transposed row-major weight (`cols x p.rows`).
+                unsafe {
+                    gemm::gemm(
+                        n,
+                        p.rows,
+                        w.cols,
+                        out_ptr.0.add(col0),
+                        1,
+                        out_stride as isize,
+                        false,
+                        x.data.as_ptr(),
+                        1,
+                        w.cols as isize,
+                        data.as_ptr(),
+                        w.cols as isize,
+                        1,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::Rayon(rayon::current_num_threads()),
+                    );
+                }
+            }
+            data => {
+                let chunk = chunk_rows(p.rows, n);
+                let n_chunks = p.rows.div_ceil(chunk);
+                (0..n_chunks).into_par_iter().for_each(|c| {
+                    let op = out_ptr;
+                    let r0 = c * chunk;
+                    let r1 = (r0 + chunk).min(p.rows);
+                    for t in 0..n {
+                        for r in r0..r1 {
+                            let v = match data {
+                                Rows::F32(d) => (k.dot_f32)(
+                                    &d[r * w.cols..(r + 1) * w.cols],
+                                    &x.data[t * w.cols..(t + 1) * w.cols],
+                                ),
+                                Rows::Q4_1(b) => (k.dot_q4_1)(
+                                    &b[r * nb..(r + 1) * nb],
+                                    &acts[t * nb..(t + 1) * nb],
+                                ),
+                                Rows::Q8_0(b) => (k.dot_q8_0)(
+                                    &b[r * nb..(r + 1) * nb],
+                                    &acts[t * nb..(t + 1) * nb],
+                                ),
+                                Rows::Q8x16(b) => (k.dot_q8x16)(
+                                    &b[r * nb..(r + 1) * nb],
+                                    &acts[t * nb..(t + 1) * nb],
+                                ),
+                            };
+                            // SAFETY: (t, col0 + r) is inside out (n x out_stride); chunks own disjoint r.
+                            unsafe { *op.0.add(t * out_stride + col0 + r) = v };
+                        }
+                    }
+                });
+            }
+        }
+        col0 += p.rows;
+    }
+}

@@ -1,0 +1,272 @@
+//! The CPU backend: rayon threads, SIMD kernels picked at run time, f32 activations.
+
+mod attention;
+pub mod blocks;
+pub mod matrix;
+pub mod simd;
+
+use rayon::prelude::*;
+
+pub use attention::CpuKvStore;
+pub use matrix::CpuMatrix;
+pub use simd::{Kernels, SimdLevel};
+
+use super::{Backend, Precision, RopeSpec, SeqSpan};
+use crate::error::{Error, Result};
+use crate::weights::TensorView;
+
+/// Row-major `[rows, cols]` f32 activations. Reused across steps: `resize` keeps the allocation.
+#[derive(Clone, Debug, Default)]
+pub struct CpuBuffer {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuBuffer {
+    pub fn resize(&mut self, rows: usize, cols: usize) {
+        self.rows = rows;
+        self.cols = cols;
+        self.data.resize(rows * cols, 0.0);
+    }
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+pub struct CpuBackend {
+    kernels: Kernels,
+}
+
+impl CpuBackend {
+    pub fn new() -> CpuBackend {
+        CpuBackend {
+            kernels: *Kernels::best(),
+        }
+    }
+    /// A backend that uses one specific SIMD level (tests compare levels).
+    pub fn with_level(level: SimdLevel) -> CpuBackend {
+        CpuBackend {
+            kernels: Kernels::for_level(level),
+        }
+    }
+    pub fn simd_level(&self) -> SimdLevel {
+        self.kernels.level
+    }
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Backend for CpuBackend {
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+    type Buffer = CpuBuffer;
+    type KvStore = CpuKvStore;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn matrix(&self, parts: &[TensorView], precision: Precision) -> Result<CpuMatrix> {
+        CpuMatrix::prepare(parts, precision)
+    }
+
+    fn vector(&self, v: &TensorView) -> Result<Vec<f32>> {
+        Ok(v.to_f32())
+    }
+
+    fn vector_from_host(&self, values: &[f32]) -> Result<Vec<f32>> {
+        Ok(values.to_vec())
+    }
+
+    fn buffer(&self, n_rows: usize, width: usize) -> CpuBuffer {
+        CpuBuffer {
+            data: vec![0.0; n_rows * width],
+            rows: n_rows,
+            cols: width,
+        }
+    }
+
+    fn kv_store(
+        &self,
+        n_layers: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_width: usize,
+    ) -> CpuKvStore {
+        CpuKvStore::new(n_layers, n_blocks, block_size, kv_width)
+    }
+
+    fn embed(&self, table: &CpuMatrix, ids: &[u32], out: &mut CpuBuffer) -> Result<()> {
+        out.resize(ids.len(), table.cols);
+        for (i, &id) in ids.iter().enumerate() {
+            if id as usize >= table.rows {
+                return Err(Error::InvalidRequest(format!(
+                    "token id {id} is outside the vocabulary (size {})",
+                    table.rows
+                )));
+            }
+            table.row_f32(
+                id as usize,
+                &mut out.data[i * table.cols..(i + 1) * table.cols],
+            );
+        }
+        Ok(())
+    }
+
+    fn matmul(&self, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
+        matrix::matmul(&self.kernels, x, w, out);
+    }
+
+    fn add_bias(&self, x: &mut CpuBuffer, bias: &Vec<f32>, col_offset: usize) {
+        let cols = x.cols;
+        for row in x.data.chunks_exact_mut(cols) {
+            for (v, b) in row[col_offset..col_offset + bias.len()]
+                .iter_mut()
+                .zip(bias)
+            {
+                *v += b;
+            }
+        }
+    }
+
+    fn rms_norm(&self, x: &CpuBuffer, w: &Vec<f32>, eps: f32, out: &mut CpuBuffer) {
+        out.resize(x.rows, x.cols);
+        for (xr, or) in x
+            .data
+            .chunks_exact(x.cols)
+            .zip(out.data.chunks_exact_mut(x.cols))
+        {
+            rms_norm_into(xr, w, eps, or);
+        }
+    }
+
+    fn head_rms_norm(
+        &self,
+        x: &mut CpuBuffer,
+        w: &Vec<f32>,
+        eps: f32,
+        col_offset: usize,
+        n_heads: usize,
+        head_dim: usize,
+    ) {
+        let cols = x.cols;
+        let mut tmp = vec![0f32; head_dim];
+        for row in x.data.chunks_exact_mut(cols) {
+            for h in 0..n_heads {
+                let head = &mut row[col_offset + h * head_dim..col_offset + (h + 1) * head_dim];
+                rms_norm_into(head, w, eps, &mut tmp);
+                head.copy_from_slice(&tmp);
+            }
+        }
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuBuffer,
+        col_offset: usize,
+        n_heads: usize,
+        positions: &[usize],
+        spec: &RopeSpec,
+    ) {
+        let cols = x.cols;
+        let half = spec.rope_dim / 2;
+        x.data
+            .par_chunks_mut(cols)
+            .zip(positions.par_iter())
+            .for_each(|(row, &pos)| {
+                let p = pos as f32 / spec.position_scale;
+                let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+                for i in 0..half {
+                    let a = p * spec.inv_freq[i];
+                    cos[i] = a.cos();
+                    sin[i] = a.sin();
+                }
+                for h in 0..n_heads {
+                    let head = &mut row
+                        [col_offset + h * spec.head_dim..col_offset + (h + 1) * spec.head_dim];
+                    for i in 0..half {
+                        let (a, b) = if spec.interleaved {
+                            (2 * i, 2 * i + 1)
+                        } else {
+                            (i, i + half)
+                        };
+                        let (x0, x1) = (head[a], head[b]);
+                        head[a] = x0 * cos[i] - x1 * sin[i];
+                        head[b] = x0 * sin[i] + x1 * cos[i];
+                    }
+                }
+            });
+    }
+
+    fn attention(
+        &self,
+        qkv: &CpuBuffer,
+        kv: &mut CpuKvStore,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        out: &mut CpuBuffer,
+    ) {
+        attention::attention(
+            &self.kernels,
+            qkv,
+            kv,
+            layer,
+            spans,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            out,
+        );
+    }
+
+    fn silu_mul(&self, gu: &CpuBuffer, out: &mut CpuBuffer) {
+        let h = gu.cols / 2;
+        out.resize(gu.rows, h);
+        for (g, o) in gu
+            .data
+            .chunks_exact(gu.cols)
+            .zip(out.data.chunks_exact_mut(h))
+        {
+            for i in 0..h {
+                let x = g[i];
+                o[i] = x / (1.0 + (-x).exp()) * g[h + i];
+            }
+        }
+    }
+
+    fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer) {
+        for (a, b) in x.data.iter_mut().zip(&y.data) {
+            *a += b;
+        }
+    }
+
+    fn gather_rows(&self, x: &CpuBuffer, rows: &[usize]) -> CpuBuffer {
+        let mut out = CpuBuffer::default();
+        out.resize(rows.len(), x.cols);
+        for (i, &r) in rows.iter().enumerate() {
+            out.data[i * x.cols..(i + 1) * x.cols].copy_from_slice(x.row(r));
+        }
+        out
+    }
+
+    fn to_host(&self, x: &CpuBuffer) -> Vec<f32> {
+        x.data.clone()
+    }
+}
+
+/// `out = x / sqrt(mean(x^2) + eps) * w`, as Hugging Face's LlamaRMSNorm computes it in f32.
+fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ss + eps).sqrt();
+    for ((o, v), wi) in out.iter_mut().zip(x).zip(w) {
+        *o = wi * (v * inv);
+    }
+}

@@ -1,0 +1,473 @@
+//! Dot-product kernels, chosen once at run time from the CPU's features: AVX-512 VNNI, AVX2 + FMA +
+//! F16C, or portable scalar code. Every SIMD kernel is tested against the scalar one.
+
+use std::sync::OnceLock;
+
+use super::blocks::{BlockQ4_1, BlockQ8_0, BlockQ8Act, BlockQ8x16, f16_to_f32};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+}
+
+impl SimdLevel {
+    /// The best level this CPU supports.
+    pub fn detect() -> SimdLevel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            if avx2
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return SimdLevel::Avx512Vnni;
+            }
+            if avx2 {
+                return SimdLevel::Avx2;
+            }
+        }
+        SimdLevel::Scalar
+    }
+
+    /// Every level this CPU can run, lowest first (for tests that compare them).
+    pub fn available() -> Vec<SimdLevel> {
+        let best = SimdLevel::detect();
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni]
+            .into_iter()
+            .filter(|l| *l <= best)
+            .collect()
+    }
+}
+
+/// The kernel set of one SIMD level.
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    pub level: SimdLevel,
+    pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    pub dot_q4_1: fn(&[BlockQ4_1], &[BlockQ8Act]) -> f32,
+    pub dot_q8_0: fn(&[BlockQ8_0], &[BlockQ8Act]) -> f32,
+    pub dot_q8x16: fn(&[BlockQ8x16], &[BlockQ8Act]) -> f32,
+}
+
+impl Kernels {
+    pub fn for_level(level: SimdLevel) -> Kernels {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Vnni => Kernels {
+                level,
+                dot_f32: x86::dot_f32_avx512_safe,
+                dot_q4_1: x86::dot_q4_1_vnni_safe,
+                dot_q8_0: x86::dot_q8_0_vnni_safe,
+                dot_q8x16: x86::dot_q8x16_vnni_safe,
+            },
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => Kernels {
+                level,
+                dot_f32: x86::dot_f32_avx2_safe,
+                dot_q4_1: x86::dot_q4_1_avx2_safe,
+                dot_q8_0: x86::dot_q8_0_avx2_safe,
+                dot_q8x16: x86::dot_q8x16_avx2_safe,
+            },
+            _ => Kernels {
+                level: SimdLevel::Scalar,
+                dot_f32: scalar::dot_f32,
+                dot_q4_1: scalar::dot_q4_1,
+                dot_q8_0: scalar::dot_q8_0,
+                dot_q8x16: scalar::dot_q8x16,
+            },
+        }
+    }
+
+    /// The kernels for the best level of this CPU, detected once.
+    pub fn best() -> &'static Kernels {
+        static K: OnceLock<Kernels> = OnceLock::new();
+        K.get_or_init(|| Kernels::for_level(SimdLevel::detect()))
+    }
+}
+
+pub mod scalar {
+    use super::*;
+
+    pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        // Eight partial sums, like the SIMD kernels, so results agree closely.
+        let mut acc = [0f32; 8];
+        let chunks = a.len() / 8;
+        for c in 0..chunks {
+            for l in 0..8 {
+                acc[l] += a[c * 8 + l] * b[c * 8 + l];
+            }
+        }
+        let mut s: f32 = acc.iter().sum();
+        for i in chunks * 8..a.len() {
+            s += a[i] * b[i];
+        }
+        s
+    }
+
+    pub fn dot_q4_1(w: &[BlockQ4_1], a: &[BlockQ8Act]) -> f32 {
+        let mut s = 0f32;
+        for (wb, ab) in w.iter().zip(a) {
+            let mut isum = 0i32;
+            for j in 0..16 {
+                isum += (wb.qs[j] & 0x0f) as i32 * ab.qs[j] as i32;
+                isum += (wb.qs[j] >> 4) as i32 * ab.qs[j + 16] as i32;
+            }
+            s += f16_to_f32(wb.d) * ab.d * isum as f32 + f16_to_f32(wb.m) * ab.s;
+        }
+        s
+    }
+
+    pub fn dot_q8_0(w: &[BlockQ8_0], a: &[BlockQ8Act]) -> f32 {
+        let mut s = 0f32;
+        for (wb, ab) in w.iter().zip(a) {
+            let isum: i32 = wb
+                .qs
+                .iter()
+                .zip(&ab.qs)
+                .map(|(&x, &y)| x as i32 * y as i32)
+                .sum();
+            s += f16_to_f32(wb.d) * ab.d * isum as f32;
+        }
+        s
+    }
+
+    pub fn dot_q8x16(w: &[BlockQ8x16], a: &[BlockQ8Act]) -> f32 {
+        let mut s = 0f32;
+        for (wb, ab) in w.iter().zip(a) {
+            for h in 0..2 {
+                let isum: i32 = (h * 16..h * 16 + 16)
+                    .map(|j| wb.qs[j] as i32 * ab.qs[j] as i32)
+                    .sum();
+                s += f16_to_f32(wb.d[h]) * ab.d * isum as f32;
+            }
+        }
+        s
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// One f16 (raw bits) to f32 with the F16C instruction.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn h2f(x: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(x as i32)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_q4(qs: &[u8; 16]) -> __m256i {
+        let raw = unsafe { _mm_loadu_si128(qs.as_ptr() as *const __m128i) };
+        let hi = _mm_srli_epi16(raw, 4);
+        _mm256_and_si256(_mm256_set_m128i(hi, raw), _mm256_set1_epi8(0x0f))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_i8(qs: &[i8; 32]) -> __m256i {
+        unsafe { _mm256_loadu_si256(qs.as_ptr() as *const __m256i) }
+    }
+
+    /// Unsigned x signed byte dot products summed into eight i32 lanes (lane i = bytes 4i..4i+4).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_u8i8_avx2(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        unsafe {
+            while i + 32 <= n {
+                for (k, acc_k) in acc.iter_mut().enumerate() {
+                    let o = i + 8 * k;
+                    *acc_k = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(pa.add(o)),
+                        _mm256_loadu_ps(pb.add(o)),
+                        *acc_k,
+                    );
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i)),
+                    _mm256_loadu_ps(pb.add(i)),
+                    acc[0],
+                );
+                i += 8;
+            }
+            let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            let mut s = hsum256(v);
+            while i < n {
+                s += a[i] * b[i];
+                i += 1;
+            }
+            s
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn dot_f32_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm512_setzero_ps();
+        let mut acc1 = _mm512_setzero_ps();
+        let mut i = 0;
+        unsafe {
+            while i + 32 <= n {
+                acc0 =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+                acc1 = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(pa.add(i + 16)),
+                    _mm512_loadu_ps(pb.add(i + 16)),
+                    acc1,
+                );
+                i += 32;
+            }
+            while i + 16 <= n {
+                acc0 =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+                i += 16;
+            }
+            let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+            while i < n {
+                s += a[i] * b[i];
+                i += 1;
+            }
+            s
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q4_1_avx2(w: &[BlockQ4_1], a: &[BlockQ8Act]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut summ = 0f32;
+        for (wb, ab) in w.iter().zip(a) {
+            unsafe {
+                let p = dot_u8i8_avx2(load_q4(&wb.qs), load_i8(&ab.qs));
+                let scale = _mm256_set1_ps(h2f(wb.d) * ab.d);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+                summ += h2f(wb.m) * ab.s;
+            }
+        }
+        unsafe { hsum256(acc) + summ }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_0_avx2(w: &[BlockQ8_0], a: &[BlockQ8Act]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (wb, ab) in w.iter().zip(a) {
+            unsafe {
+                let wv = load_i8(&wb.qs);
+                let av = load_i8(&ab.qs);
+                // maddubs needs an unsigned operand: move w's sign onto a.
+                let p = dot_u8i8_avx2(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+                let scale = _mm256_set1_ps(h2f(wb.d) * ab.d);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+            }
+        }
+        unsafe { hsum256(acc) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8x16_avx2(w: &[BlockQ8x16], a: &[BlockQ8Act]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (wb, ab) in w.iter().zip(a) {
+            unsafe {
+                let wv = load_i8(&wb.qs);
+                let av = load_i8(&ab.qs);
+                let p = dot_u8i8_avx2(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+                let scale = _mm256_mul_ps(
+                    _mm256_set_m128(_mm_set1_ps(h2f(wb.d[1])), _mm_set1_ps(h2f(wb.d[0]))),
+                    _mm256_set1_ps(ab.d),
+                );
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+            }
+        }
+        unsafe { hsum256(acc) }
+    }
+
+    #[target_feature(enable = "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")]
+    unsafe fn dot_q4_1_vnni(w: &[BlockQ4_1], a: &[BlockQ8Act]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut summ = 0f32;
+        for (wb, ab) in w.iter().zip(a) {
+            unsafe {
+                let p =
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), load_q4(&wb.qs), load_i8(&ab.qs));
+                let scale = _mm256_set1_ps(h2f(wb.d) * ab.d);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+                summ += h2f(wb.m) * ab.s;
+            }
+        }
+        unsafe { hsum256(acc) + summ }
+    }
+
+    #[target_feature(enable = "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")]
+    unsafe fn dot_q8_0_vnni(w: &[BlockQ8_0], a: &[BlockQ8Act]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (wb, ab) in w.iter().zip(a) {
+            unsafe {
+                let wv = load_i8(&wb.qs);
+                let av = load_i8(&ab.qs);
+                let p = _mm256_dpbusd_epi32(
+                    _mm256_setzero_si256(),
+                    _mm256_sign_epi8(wv, wv),
+                    _mm256_sign_epi8(av, wv),
+                );
+                let scale = _mm256_set1_ps(h2f(wb.d) * ab.d);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+            }
+        }
+        unsafe { hsum256(acc) }
+    }
+
+    #[target_feature(enable = "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")]
+    unsafe fn dot_q8x16_vnni(w: &[BlockQ8x16], a: &[BlockQ8Act]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (wb, ab) in w.iter().zip(a) {
+            unsafe {
+                let wv = load_i8(&wb.qs);
+                let av = load_i8(&ab.qs);
+                let p = _mm256_dpbusd_epi32(
+                    _mm256_setzero_si256(),
+                    _mm256_sign_epi8(wv, wv),
+                    _mm256_sign_epi8(av, wv),
+                );
+                let scale = _mm256_mul_ps(
+                    _mm256_set_m128(_mm_set1_ps(h2f(wb.d[1])), _mm_set1_ps(h2f(wb.d[0]))),
+                    _mm256_set1_ps(ab.d),
+                );
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+            }
+        }
+        unsafe { hsum256(acc) }
+    }
+
+    // Safe entry points: only installed in a `Kernels` after `SimdLevel::detect` saw the features.
+    pub fn dot_f32_avx2_safe(a: &[f32], b: &[f32]) -> f32 {
+        unsafe { dot_f32_avx2(a, b) }
+    }
+    pub fn dot_f32_avx512_safe(a: &[f32], b: &[f32]) -> f32 {
+        unsafe { dot_f32_avx512(a, b) }
+    }
+    pub fn dot_q4_1_avx2_safe(w: &[BlockQ4_1], a: &[BlockQ8Act]) -> f32 {
+        unsafe { dot_q4_1_avx2(w, a) }
+    }
+    pub fn dot_q8_0_avx2_safe(w: &[BlockQ8_0], a: &[BlockQ8Act]) -> f32 {
+        unsafe { dot_q8_0_avx2(w, a) }
+    }
+    pub fn dot_q8x16_avx2_safe(w: &[BlockQ8x16], a: &[BlockQ8Act]) -> f32 {
+        unsafe { dot_q8x16_avx2(w, a) }
+    }
+    pub fn dot_q4_1_vnni_safe(w: &[BlockQ4_1], a: &[BlockQ8Act]) -> f32 {
+        unsafe { dot_q4_1_vnni(w, a) }
+    }
+    pub fn dot_q8_0_vnni_safe(w: &[BlockQ8_0], a: &[BlockQ8Act]) -> f32 {
+        unsafe { dot_q8_0_vnni(w, a) }
+    }
+    pub fn dot_q8x16_vnni_safe(w: &[BlockQ8x16], a: &[BlockQ8Act]) -> f32 {
+        unsafe { dot_q8x16_vnni(w, a) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::blocks::{f32_to_f16, quantize_activations};
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn rng() -> rand_chacha::ChaCha8Rng {
+        rand_chacha::ChaCha8Rng::seed_from_u64(7)
+    }
+
+    fn acts(n_blocks: usize) -> Vec<BlockQ8Act> {
+        let mut r = rng();
+        let x: Vec<f32> = (0..n_blocks * 32)
+            .map(|_| r.random_range(-3.0..3.0))
+            .collect();
+        let mut a = vec![BlockQ8Act::default(); n_blocks];
+        quantize_activations(&x, &mut a);
+        a
+    }
+
+    fn close(a: f32, b: f32) -> bool {
+        (a - b).abs() <= 1e-4 * (1.0 + a.abs().max(b.abs()))
+    }
+
+    #[test]
+    fn every_level_matches_scalar() {
+        let mut r = rng();
+        let n = 18;
+        let a = acts(n);
+        let q4: Vec<BlockQ4_1> = (0..n)
+            .map(|_| BlockQ4_1 {
+                d: f32_to_f16(r.random_range(0.001..0.1)),
+                m: f32_to_f16(r.random_range(-0.5..0.0)),
+                qs: std::array::from_fn(|_| r.random()),
+            })
+            .collect();
+        let q8: Vec<BlockQ8_0> = (0..n)
+            .map(|_| BlockQ8_0 {
+                d: f32_to_f16(r.random_range(0.001..0.1)),
+                qs: std::array::from_fn(|_| r.random()),
+            })
+            .collect();
+        let q8x16: Vec<BlockQ8x16> = (0..n)
+            .map(|_| BlockQ8x16 {
+                d: [
+                    f32_to_f16(r.random_range(0.001..0.1)),
+                    f32_to_f16(r.random_range(-0.1..0.1)),
+                ],
+                qs: std::array::from_fn(|_| r.random_range(-32..32)),
+            })
+            .collect();
+        let fa: Vec<f32> = (0..583).map(|_| r.random_range(-1.0..1.0)).collect();
+        let fb: Vec<f32> = (0..583).map(|_| r.random_range(-1.0..1.0)).collect();
+        let s = Kernels::for_level(SimdLevel::Scalar);
+        for level in SimdLevel::available() {
+            let k = Kernels::for_level(level);
+            assert!(
+                close((k.dot_q4_1)(&q4, &a), (s.dot_q4_1)(&q4, &a)),
+                "{level:?} q4_1"
+            );
+            assert!(
+                close((k.dot_q8_0)(&q8, &a), (s.dot_q8_0)(&q8, &a)),
+                "{level:?} q8_0"
+            );
+            assert!(
+                close((k.dot_q8x16)(&q8x16, &a), (s.dot_q8x16)(&q8x16, &a)),
+                "{level:?} q8x16"
+            );
+            assert!(
+                close((k.dot_f32)(&fa, &fb), (s.dot_f32)(&fa, &fb)),
+                "{level:?} f32"
+            );
+        }
+    }
+}

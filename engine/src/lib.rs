@@ -1,0 +1,18 @@
+//! kiln: an inference engine and server for one big model, with a CPU backend that runs real models.
+//!
+//! Layers, from the bottom: `weights` (GGUF and safetensors readers), `backend` (the op trait and its
+//! CPU implementation), `model` (the Llama family over any backend), `kv_cache` (paged block
+//! bookkeeping), `tokenizer`, `sampling`, and `generate` (a single-sequence driver).
+
+pub mod backend;
+pub mod catalog;
+pub mod error;
+pub mod generate;
+pub mod kv_cache;
+pub mod load;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
+
+pub use error::{Error, Result};

@@ -1,0 +1,62 @@
+//! Opening a model from a path: a `.gguf` file or a Hugging Face directory, with its tokenizer.
+
+use std::path::Path;
+
+use crate::backend::{Backend, Precision};
+use crate::error::{Error, Result};
+use crate::model::{Llama, ModelConfig};
+use crate::tokenizer::Tokenizer;
+use crate::weights::WeightStore;
+use crate::weights::gguf::GgufFile;
+use crate::weights::hf::HfDir;
+
+/// Everything needed to run one model.
+pub struct LoadedModel<B: Backend> {
+    pub backend: B,
+    pub model: Llama<B>,
+    pub tokenizer: Tokenizer,
+    /// A short name for APIs and logs (the file or directory name).
+    pub name: String,
+}
+
+impl<B: Backend> LoadedModel<B> {
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+}
+
+/// Opens `path` and loads its weights through `backend`. `progress(done, total)` reports layers.
+pub fn load_model<B: Backend>(
+    backend: B,
+    path: &Path,
+    precision: Precision,
+    progress: impl FnMut(usize, usize),
+) -> Result<LoadedModel<B>> {
+    if !path.exists() {
+        return Err(Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "model not found"),
+        ));
+    }
+    let (store, config, tokenizer) = if path.is_dir() {
+        let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
+        let tokenizer = Tokenizer::from_hf_dir(path)?;
+        (WeightStore::Hf(HfDir::open(path)?), config, tokenizer)
+    } else {
+        let g = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&g)?;
+        let tokenizer = Tokenizer::from_gguf(&g)?;
+        (WeightStore::Gguf(g), config, tokenizer)
+    };
+    let model = Llama::load(&backend, config, &store, precision, progress)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
+        .unwrap_or_else(|| "model".to_string());
+    Ok(LoadedModel {
+        backend,
+        model,
+        tokenizer,
+        name,
+    })
+}

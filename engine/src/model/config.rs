@@ -1,0 +1,283 @@
+//! One configuration type for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3), read either
+//! from GGUF metadata or from a Hugging Face `config.json`.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::weights::gguf::GgufFile;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+}
+
+impl Architecture {
+    fn parse(name: &str, path: &Path) -> Result<Architecture> {
+        Ok(match name {
+            "llama" | "LlamaForCausalLM" => Architecture::Llama,
+            "mistral" | "MistralForCausalLM" => Architecture::Mistral,
+            "qwen2" | "Qwen2ForCausalLM" => Architecture::Qwen2,
+            "qwen3" | "Qwen3ForCausalLM" => Architecture::Qwen3,
+            other => {
+                return Err(Error::UnsupportedArchitecture {
+                    path: path.to_path_buf(),
+                    arch: other.to_string(),
+                });
+            }
+        })
+    }
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Pairs (2i, 2i+1): ggml's llama converter permutes Q/K rows into this order.
+    Interleaved,
+    /// Pairs (i, i + d/2): the Hugging Face (and GPT-NeoX) order.
+    HalfSplit,
+}
+
+/// Llama 3 frequency-dependent RoPE scaling (`rope_scaling.rope_type = "llama3"`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub arch: Architecture,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Leading dimensions of each head that RoPE rotates (usually all of them).
+    pub rope_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_layout: RopeLayout,
+    pub llama3_scaling: Option<Llama3RopeScaling>,
+    /// Linear position scaling (`rope_scaling.type = "linear"`): positions are divided by this.
+    pub rope_linear_factor: f32,
+    pub max_context: usize,
+    pub tied_embeddings: bool,
+    pub qkv_bias: bool,
+    pub qk_norm: bool,
+}
+
+impl ModelConfig {
+    pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
+        let path = &g.path;
+        let arch_name = g
+            .meta_str("general.architecture")
+            .ok_or_else(|| Error::config(path, "metadata `general.architecture` is missing"))?;
+        let arch = Architecture::parse(arch_name, path)?;
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let req = |k: &str| -> Result<usize> {
+            g.meta_u64(&key(k))
+                .map(|v| v as usize)
+                .filter(|&v| v > 0)
+                .ok_or_else(|| {
+                    Error::config(path, format!("metadata `{}` is missing or zero", key(k)))
+                })
+        };
+        let hidden_size = req("embedding_length")?;
+        let n_heads = req("attention.head_count")?;
+        let n_kv_heads = g
+            .meta_u64(&key("attention.head_count_kv"))
+            .map(|v| v as usize)
+            .unwrap_or(n_heads);
+        let head_dim = g
+            .meta_u64(&key("attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(hidden_size / n_heads);
+        let vocab_size = match g
+            .meta(&"tokenizer.ggml.tokens".to_string())
+            .and_then(|v| v.as_array())
+        {
+            Some(t) => t.len(),
+            None => g.view("token_embd.weight")?.matrix_shape()?.0,
+        };
+        let rope_linear_factor = match g.meta_str(&key("rope.scaling.type")) {
+            Some("linear") => g.meta_f64(&key("rope.scaling.factor")).unwrap_or(1.0) as f32,
+            _ => 1.0,
+        };
+        let cfg = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: req("feed_forward_length")?,
+            n_layers: req("block_count")?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            rope_dim: g
+                .meta_u64(&key("rope.dimension_count"))
+                .map(|v| v as usize)
+                .unwrap_or(head_dim),
+            vocab_size,
+            rms_norm_eps: g
+                .meta_f64(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5) as f32,
+            rope_theta: g.meta_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32,
+            // ggml's convert script permutes Llama/Mistral Q and K rows; Qwen uses NeoX rope unpermuted.
+            rope_layout: match arch {
+                Architecture::Llama | Architecture::Mistral => RopeLayout::Interleaved,
+                Architecture::Qwen2 | Architecture::Qwen3 => RopeLayout::HalfSplit,
+            },
+            // Llama 3 scaling arrives in GGUF as the precomputed `rope_freqs.weight` tensor instead.
+            llama3_scaling: None,
+            rope_linear_factor,
+            max_context: req("context_length")?,
+            tied_embeddings: !g.has_tensor("output.weight"),
+            qkv_bias: g.has_tensor("blk.0.attn_q.bias"),
+            qk_norm: g.has_tensor("blk.0.attn_q_norm.weight"),
+        };
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    pub fn from_hf_config(path: &Path) -> Result<ModelConfig> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let c: HfConfig = serde_json::from_str(&text)
+            .map_err(|e| Error::config(path, format!("invalid config.json: {e}")))?;
+        let arch_name = c
+            .architectures
+            .as_ref()
+            .and_then(|a| a.first().cloned())
+            .or(c.model_type.clone())
+            .ok_or_else(|| {
+                Error::config(path, "field `architectures` (or `model_type`) is missing")
+            })?;
+        let arch = Architecture::parse(&arch_name, path)?;
+        let head_dim = c
+            .head_dim
+            .unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
+        let mut llama3_scaling = None;
+        let mut rope_linear_factor = 1.0;
+        if let Some(s) = &c.rope_scaling {
+            let kind = s
+                .rope_type
+                .as_deref()
+                .or(s.kind.as_deref())
+                .unwrap_or("default");
+            match kind {
+                "llama3" => {
+                    llama3_scaling = Some(Llama3RopeScaling {
+                        factor: s.factor.unwrap_or(8.0),
+                        low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
+                        high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
+                        original_max_position_embeddings: s
+                            .original_max_position_embeddings
+                            .unwrap_or(8192),
+                    })
+                }
+                "linear" => rope_linear_factor = s.factor.unwrap_or(1.0),
+                "default" => {}
+                other => {
+                    return Err(Error::config(
+                        path,
+                        format!("rope_scaling type `{other}` is not supported"),
+                    ));
+                }
+            }
+        }
+        let cfg = ModelConfig {
+            arch,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            n_layers: c.num_hidden_layers,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+            head_dim,
+            rope_dim: head_dim,
+            vocab_size: c.vocab_size,
+            rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta: c.rope_theta.unwrap_or(10_000.0),
+            rope_layout: RopeLayout::HalfSplit,
+            llama3_scaling,
+            rope_linear_factor,
+            max_context: c.max_position_embeddings.unwrap_or(4096),
+            tied_embeddings: c.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: c.attention_bias.unwrap_or(arch == Architecture::Qwen2),
+            qk_norm: arch == Architecture::Qwen3,
+        };
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |m: String| Err(Error::config(path, m));
+        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "{} attention heads are not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim == 0
+            || self.head_dim % 2 != 0
+            || self.rope_dim > self.head_dim
+            || self.rope_dim % 2 != 0
+        {
+            return bad(format!(
+                "head_dim {} / rope dim {} are invalid",
+                self.head_dim, self.rope_dim
+            ));
+        }
+        if self.hidden_size == 0
+            || self.intermediate_size == 0
+            || self.n_layers == 0
+            || self.vocab_size == 0
+        {
+            return bad("hidden size, intermediate size, layers and vocab must be non-zero".into());
+        }
+        Ok(())
+    }
+
+    pub fn q_width(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+#[derive(Deserialize)]
+struct HfRopeScaling {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    factor: Option<f32>,
+    low_freq_factor: Option<f32>,
+    high_freq_factor: Option<f32>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+#[derive(Deserialize)]
+struct HfConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: Option<f32>,
+    rope_theta: Option<f32>,
+    rope_scaling: Option<HfRopeScaling>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+}

@@ -1,0 +1,311 @@
+//! The Llama-family decoder (Touvron et al. 2023; Hugging Face `modeling_llama.py` is the reference
+//! this code is tested against): pre-norm blocks of grouped-query attention with RoPE and a SiLU-gated
+//! MLP. Qwen2 adds Q/K/V biases, Qwen3 a per-head RMSNorm on Q and K.
+//!
+//! The model owns weights only. KV state and batch layout are passed in, so one forward serves several
+//! sequences of different lengths in one step.
+
+use super::config::{ModelConfig, RopeLayout};
+use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
+use crate::error::{Error, Result};
+use crate::weights::{TensorView, WeightStore};
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    /// Q, K and V projections stacked: one matmul gives `[q | k | v]`.
+    qkv: B::Matrix,
+    qkv_bias: Option<B::Vector>,
+    q_norm: Option<B::Vector>,
+    k_norm: Option<B::Vector>,
+    o: B::Matrix,
+    ffn_norm: B::Vector,
+    /// Gate and up projections stacked: `[gate | up]`.
+    gate_up: B::Matrix,
+    down: B::Matrix,
+}
+
+pub struct Llama<B: Backend> {
+    pub config: ModelConfig,
+    pub precision: Precision,
+    embed: B::Matrix,
+    layers: Vec<Layer<B>>,
+    final_norm: B::Vector,
+    /// `None` when the LM head is tied to the embedding matrix.
+    lm_head: Option<B::Matrix>,
+    rope: RopeSpec,
+}
+
+/// One step's worth of tokens from one or more sequences.
+pub struct ForwardBatch<'a> {
+    /// All new tokens, sequence after sequence.
+    pub tokens: &'a [u32],
+    /// Position of each token in its sequence.
+    pub positions: &'a [usize],
+    /// Which tokens belong to which sequence, and where each sequence's KV lives.
+    pub spans: &'a [SeqSpan<'a>],
+    /// Indices into `tokens` whose next-token logits are wanted (usually each sequence's last token).
+    pub logit_rows: &'a [usize],
+}
+
+/// Activation buffers reused from step to step.
+pub struct Workspace<B: Backend> {
+    x: B::Buffer,
+    h: B::Buffer,
+    qkv: B::Buffer,
+    attn: B::Buffer,
+    proj: B::Buffer,
+    gate_up: B::Buffer,
+    act: B::Buffer,
+}
+
+impl<B: Backend> Workspace<B> {
+    pub fn new(backend: &B) -> Self {
+        Workspace {
+            x: backend.buffer(0, 0),
+            h: backend.buffer(0, 0),
+            qkv: backend.buffer(0, 0),
+            attn: backend.buffer(0, 0),
+            proj: backend.buffer(0, 0),
+            gate_up: backend.buffer(0, 0),
+            act: backend.buffer(0, 0),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Naming {
+    Gguf,
+    Hf,
+}
+
+fn global_name(n: Naming, role: &str) -> &'static str {
+    match (n, role) {
+        (Naming::Gguf, "embed") => "token_embd.weight",
+        (Naming::Gguf, "norm") => "output_norm.weight",
+        (Naming::Gguf, "lm_head") => "output.weight",
+        (Naming::Hf, "embed") => "model.embed_tokens.weight",
+        (Naming::Hf, "norm") => "model.norm.weight",
+        (Naming::Hf, "lm_head") => "lm_head.weight",
+        _ => unreachable!("unknown global tensor role {role}"),
+    }
+}
+
+fn layer_name(n: Naming, i: usize, role: &str) -> String {
+    let (gguf, hf) = match role {
+        "attn_norm" => ("attn_norm.weight", "input_layernorm.weight"),
+        "q" => ("attn_q.weight", "self_attn.q_proj.weight"),
+        "k" => ("attn_k.weight", "self_attn.k_proj.weight"),
+        "v" => ("attn_v.weight", "self_attn.v_proj.weight"),
+        "q_bias" => ("attn_q.bias", "self_attn.q_proj.bias"),
+        "k_bias" => ("attn_k.bias", "self_attn.k_proj.bias"),
+        "v_bias" => ("attn_v.bias", "self_attn.v_proj.bias"),
+        "q_norm" => ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+        "k_norm" => ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+        "o" => ("attn_output.weight", "self_attn.o_proj.weight"),
+        "ffn_norm" => ("ffn_norm.weight", "post_attention_layernorm.weight"),
+        "gate" => ("ffn_gate.weight", "mlp.gate_proj.weight"),
+        "up" => ("ffn_up.weight", "mlp.up_proj.weight"),
+        "down" => ("ffn_down.weight", "mlp.down_proj.weight"),
+        _ => unreachable!("unknown layer tensor role {role}"),
+    };
+    match n {
+        Naming::Gguf => format!("blk.{i}.{gguf}"),
+        Naming::Hf => format!("model.layers.{i}.{hf}"),
+    }
+}
+
+/// Inverse RoPE frequencies, computed in f32 the way transformers computes them.
+fn rope_inv_freq(cfg: &ModelConfig, store: &WeightStore) -> Result<Vec<f32>> {
+    let d = cfg.rope_dim;
+    let mut inv: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / d as f32))
+        .collect();
+    if let Some(s) = cfg.llama3_scaling {
+        let old = s.original_max_position_embeddings as f32;
+        let low_wavelen = old / s.low_freq_factor;
+        let high_wavelen = old / s.high_freq_factor;
+        for f in inv.iter_mut() {
+            let wavelen = 2.0 * std::f32::consts::PI / *f;
+            if wavelen > low_wavelen {
+                *f /= s.factor;
+            } else if wavelen >= high_wavelen {
+                let smooth =
+                    (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+            }
+        }
+    }
+    // GGUF carries Llama 3 scaling as per-frequency divisors.
+    if store.has("rope_freqs.weight") {
+        let t = store.get("rope_freqs.weight")?;
+        t.expect_shape(&[d / 2])?;
+        for (f, factor) in inv.iter_mut().zip(t.to_f32()) {
+            *f /= factor;
+        }
+    }
+    Ok(inv)
+}
+
+impl<B: Backend> Llama<B> {
+    /// Loads every weight through `backend`; `progress(done, total)` is called once per layer.
+    pub fn load(
+        backend: &B,
+        config: ModelConfig,
+        store: &WeightStore,
+        precision: Precision,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        let naming = match store {
+            WeightStore::Gguf(_) => Naming::Gguf,
+            WeightStore::Hf(_) => Naming::Hf,
+        };
+        let c = &config;
+        let get = |name: &str, shape: &[usize]| -> Result<TensorView> {
+            let v = store.get(name)?;
+            v.expect_shape(shape)?;
+            Ok(v)
+        };
+        let h = c.hidden_size;
+        let embed_view = get(global_name(naming, "embed"), &[c.vocab_size, h])?;
+        let embed = backend.matrix(std::slice::from_ref(&embed_view), precision)?;
+        let lm_head = if c.tied_embeddings {
+            None
+        } else {
+            let v = get(global_name(naming, "lm_head"), &[c.vocab_size, h])?;
+            Some(backend.matrix(&[v], precision)?)
+        };
+        let final_norm = backend.vector(&get(global_name(naming, "norm"), &[h])?)?;
+        let total = c.n_layers;
+        progress(0, total);
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |role: &str| layer_name(naming, i, role);
+            let qkv = backend.matrix(
+                &[
+                    get(&n("q"), &[c.q_width(), h])?,
+                    get(&n("k"), &[c.kv_width(), h])?,
+                    get(&n("v"), &[c.kv_width(), h])?,
+                ],
+                precision,
+            )?;
+            let qkv_bias = if c.qkv_bias {
+                let mut b = get(&n("q_bias"), &[c.q_width()])?.to_f32();
+                b.extend(get(&n("k_bias"), &[c.kv_width()])?.to_f32());
+                b.extend(get(&n("v_bias"), &[c.kv_width()])?.to_f32());
+                Some(backend.vector_from_host(&b)?)
+            } else {
+                None
+            };
+            let (q_norm, k_norm) = if c.qk_norm {
+                (
+                    Some(backend.vector(&get(&n("q_norm"), &[c.head_dim])?)?),
+                    Some(backend.vector(&get(&n("k_norm"), &[c.head_dim])?)?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(Layer {
+                attn_norm: backend.vector(&get(&n("attn_norm"), &[h])?)?,
+                qkv,
+                qkv_bias,
+                q_norm,
+                k_norm,
+                o: backend.matrix(&[get(&n("o"), &[h, c.q_width()])?], precision)?,
+                ffn_norm: backend.vector(&get(&n("ffn_norm"), &[h])?)?,
+                gate_up: backend.matrix(
+                    &[
+                        get(&n("gate"), &[c.intermediate_size, h])?,
+                        get(&n("up"), &[c.intermediate_size, h])?,
+                    ],
+                    precision,
+                )?,
+                down: backend.matrix(&[get(&n("down"), &[h, c.intermediate_size])?], precision)?,
+            });
+            progress(i + 1, total);
+        }
+        let rope = RopeSpec {
+            head_dim: c.head_dim,
+            rope_dim: c.rope_dim,
+            interleaved: c.rope_layout == RopeLayout::Interleaved,
+            inv_freq: rope_inv_freq(c, store)?,
+            position_scale: c.rope_linear_factor,
+        };
+        Ok(Llama {
+            config,
+            precision,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    /// Runs one step. Returns `logit_rows.len()` rows of `vocab_size` logits.
+    pub fn forward(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStore,
+        batch: &ForwardBatch<'_>,
+        ws: &mut Workspace<B>,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let n = batch.tokens.len();
+        if batch.positions.len() != n {
+            return Err(Error::InvalidRequest(
+                "one position per token is required".into(),
+            ));
+        }
+        let _span = tracing::trace_span!("forward", tokens = n).entered();
+        backend.embed(&self.embed, batch.tokens, &mut ws.x)?;
+        let q_width = c.q_width();
+        for (li, l) in self.layers.iter().enumerate() {
+            backend.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, &mut ws.h);
+            backend.matmul(&ws.h, &l.qkv, &mut ws.qkv);
+            if let Some(b) = &l.qkv_bias {
+                backend.add_bias(&mut ws.qkv, b, 0);
+            }
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                backend.head_rms_norm(&mut ws.qkv, qn, c.rms_norm_eps, 0, c.n_heads, c.head_dim);
+                backend.head_rms_norm(
+                    &mut ws.qkv,
+                    kn,
+                    c.rms_norm_eps,
+                    q_width,
+                    c.n_kv_heads,
+                    c.head_dim,
+                );
+            }
+            backend.rope(&mut ws.qkv, 0, c.n_heads, batch.positions, &self.rope);
+            backend.rope(
+                &mut ws.qkv,
+                q_width,
+                c.n_kv_heads,
+                batch.positions,
+                &self.rope,
+            );
+            backend.attention(
+                &ws.qkv,
+                kv,
+                li,
+                batch.spans,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+                &mut ws.attn,
+            );
+            backend.matmul(&ws.attn, &l.o, &mut ws.proj);
+            backend.add(&mut ws.x, &ws.proj);
+            backend.rms_norm(&ws.x, &l.ffn_norm, c.rms_norm_eps, &mut ws.h);
+            backend.matmul(&ws.h, &l.gate_up, &mut ws.gate_up);
+            backend.silu_mul(&ws.gate_up, &mut ws.act);
+            backend.matmul(&ws.act, &l.down, &mut ws.proj);
+            backend.add(&mut ws.x, &ws.proj);
+        }
+        let last = backend.gather_rows(&ws.x, batch.logit_rows);
+        backend.rms_norm(&last, &self.final_norm, c.rms_norm_eps, &mut ws.h);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        backend.matmul(&ws.h, head, &mut ws.proj);
+        Ok(backend.to_host(&ws.proj))
+    }
+}

@@ -1,0 +1,7 @@
+//! Model definitions. One transformer family today: Llama and its close relatives.
+
+pub mod config;
+pub mod llama;
+
+pub use config::{Architecture, ModelConfig, RopeLayout};
+pub use llama::{ForwardBatch, Llama, Workspace};

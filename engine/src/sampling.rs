@@ -1,0 +1,362 @@
+//! Turning logits into the next token: greedy, temperature, top-k, top-p, min-p, repetition /
+//! presence / frequency penalties, seeded randomness, and logprobs.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no limit.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// Hugging Face style: > 1 discourages every token already in the prompt or output.
+    pub repetition_penalty: f32,
+    /// OpenAI style, on output tokens: subtracted once from a token that appeared.
+    pub presence_penalty: f32,
+    /// OpenAI style, on output tokens: subtracted per occurrence.
+    pub frequency_penalty: f32,
+    pub seed: Option<u64>,
+    /// Also return the top-n alternatives' logprobs (0: only the chosen token's).
+    pub top_logprobs: usize,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            top_logprobs: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    /// Rejects values no sampler can honour, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |f: &str, why: &str| Err(Error::InvalidRequest(format!("`{f}` {why}")));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature", "must be a finite number >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", "must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", "must be in [0, 1]");
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return bad("repetition_penalty", "must be > 0");
+        }
+        for (f, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() || !(-2.0..=2.0).contains(&v) {
+                return bad(f, "must be in [-2, 2]");
+            }
+        }
+        if self.top_logprobs > 20 {
+            return bad("top_logprobs", "must be at most 20");
+        }
+        Ok(())
+    }
+}
+
+/// The chosen token with its logprob under the model's distribution.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    /// Occurrences of each token in the output so far (presence / frequency penalties).
+    counts: std::collections::HashMap<u32, u32>,
+    /// Every token of prompt and output (repetition penalty).
+    seen: std::collections::HashSet<u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Sampler {
+        let rng = match params.seed {
+            Some(s) => ChaCha8Rng::seed_from_u64(s),
+            None => ChaCha8Rng::from_os_rng(),
+        };
+        Sampler {
+            rng,
+            counts: Default::default(),
+            seen: prompt.iter().copied().collect(),
+            params,
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Records a token that joined the output (also when it came from elsewhere, e.g. speculation).
+    pub fn observe(&mut self, token: u32) {
+        *self.counts.entry(token).or_default() += 1;
+        self.seen.insert(token);
+    }
+
+    /// Picks the next token from `logits` (modified in place) and records it.
+    pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
+        let p = &self.params;
+        let (raw_lse, top) = log_softmax_stats(logits, p.top_logprobs);
+        let penalised =
+            p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        // Logprobs describe the model's distribution, before penalties rewrite the logits.
+        let raw = penalised.then(|| logits.to_vec());
+        self.apply_penalties(logits);
+        let token = if p.temperature == 0.0 {
+            argmax(logits)
+        } else {
+            self.draw(logits)
+        };
+        let logprob = raw.as_deref().unwrap_or(logits)[token as usize] - raw_lse;
+        let out = Sampled {
+            token,
+            logprob,
+            top: top.into_iter().map(|(t, l)| (t, l - raw_lse)).collect(),
+        };
+        self.observe(token);
+        out
+    }
+
+    fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            for &t in &self.seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.frequency_penalty * c as f32 + p.presence_penalty;
+                }
+            }
+        }
+    }
+
+    fn draw(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l * inv_t))
+            .collect();
+        // Best first; the stable sort keeps lower ids first among equal logits.
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.truncate(p.top_k);
+        }
+        let max = cand[0].1;
+        let mut probs: Vec<f32> = cand.iter().map(|(_, l)| (l - max).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|q| *q /= sum);
+        let mut keep = probs.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, q) in probs.iter().enumerate() {
+                acc += q;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = probs[0] * p.min_p;
+            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+        }
+        let total: f32 = probs[..keep].iter().sum();
+        let mut u = self.rng.random::<f32>() * total;
+        for i in 0..keep {
+            u -= probs[i];
+            if u <= 0.0 {
+                return cand[i].0;
+            }
+        }
+        cand[keep - 1].0
+    }
+}
+
+/// Index of the largest logit (the first one on ties, as torch.argmax).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// log-sum-exp of the logits and the `n` largest (id, logit) pairs.
+fn log_softmax_stats(logits: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+    let lse = max + sum.ln();
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() < n || l > top[top.len() - 1].1 {
+                let at = top.partition_point(|&(_, v)| v >= l);
+                top.insert(at, (i as u32, l));
+                top.truncate(n);
+            }
+        }
+    }
+    (lse, top)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.0, 0.5, 2.9]
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax() {
+        let mut s = Sampler::new(SamplingParams::greedy(), &[]);
+        assert_eq!(s.sample(&mut logits()).token, 1);
+    }
+
+    #[test]
+    fn seed_reproduces_and_differs_across_seeds() {
+        let p = |seed| SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..Default::default()
+        };
+        let run = |seed| {
+            let mut s = Sampler::new(p(seed), &[]);
+            (0..64)
+                .map(|_| s.sample(&mut logits()).token)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(1), run(1));
+        assert_ne!(run(1), run(2));
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 5.0,
+                top_k: 1,
+                seed: Some(3),
+                ..Default::default()
+            },
+            &[],
+        );
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut logits()).token, 1);
+        }
+    }
+
+    #[test]
+    fn top_p_and_min_p_cut_the_tail() {
+        let params = |top_p, min_p| SamplingParams {
+            temperature: 1.0,
+            top_p,
+            min_p,
+            seed: Some(9),
+            ..Default::default()
+        };
+        for p in [params(0.5, 0.0), params(1.0, 0.8)] {
+            let mut s = Sampler::new(p, &[]);
+            for _ in 0..200 {
+                let t = s.sample(&mut logits()).token;
+                assert!(t == 1 || t == 4, "token {t} is outside the nucleus");
+            }
+        }
+    }
+
+    #[test]
+    fn repetition_penalty_demotes_seen_tokens() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..Default::default()
+            },
+            &[1],
+        );
+        assert_eq!(s.sample(&mut logits()).token, 4);
+    }
+
+    #[test]
+    fn frequency_penalty_grows_with_count() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                frequency_penalty: 0.6,
+                ..Default::default()
+            },
+            &[],
+        );
+        assert_eq!(s.sample(&mut logits()).token, 1); // 3.0 > 2.9
+        assert_eq!(s.sample(&mut logits()).token, 4); // 3.0 - 0.6 < 2.9
+    }
+
+    #[test]
+    fn logprobs_are_normalised_and_sorted() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                top_logprobs: 3,
+                ..Default::default()
+            },
+            &[],
+        );
+        let out = s.sample(&mut logits());
+        let total: f32 = logits().iter().map(|l| l.exp()).sum();
+        assert!((out.logprob - (3.0f32.exp() / total).ln()).abs() < 1e-5);
+        assert_eq!(
+            out.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![1, 4, 2]
+        );
+    }
+
+    #[test]
+    fn invalid_params_name_the_field() {
+        let p = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        };
+        assert!(
+            p.validate()
+                .err()
+                .is_some_and(|e| e.to_string().contains("top_p"))
+        );
+    }
+}

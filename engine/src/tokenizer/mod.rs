@@ -1,0 +1,138 @@
+//! Tokenizers: Hugging Face `tokenizer.json` through the `tokenizers` crate, or a byte-level BPE
+//! tokenizer rebuilt from GGUF metadata; the model's chat template; incremental detokenization.
+
+pub mod chat_template;
+pub mod detokenizer;
+mod gguf_vocab;
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::weights::gguf::GgufFile;
+
+pub use chat_template::{ChatMessage, ChatTemplate};
+pub use detokenizer::IncrementalDecoder;
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos_id: Option<u32>,
+    /// Tokens that end generation (the EOS token, plus end-of-turn tokens the chat format uses).
+    pub eos_ids: Vec<u32>,
+    /// Whether encoding with special tokens prepends BOS (GGUF-built tokenizers only; a
+    /// `tokenizer.json` does this in its post-processor).
+    add_bos: bool,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl Tokenizer {
+    pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer> {
+        let built = gguf_vocab::build(g)?;
+        let template = match g.meta_str("tokenizer.chat_template") {
+            Some(src) => Some(ChatTemplate::new(
+                src,
+                built.bos_text.clone(),
+                built.eos_text.clone(),
+            )?),
+            None => None,
+        };
+        Ok(Tokenizer {
+            inner: built.tokenizer,
+            bos_id: built.bos_id,
+            eos_ids: built.eos_ids,
+            add_bos: built.add_bos,
+            chat_template: template,
+        })
+    }
+
+    /// `tokenizer.json`, with `tokenizer_config.json` (chat template, special tokens) and
+    /// `generation_config.json` (EOS ids) when present.
+    pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let config: serde_json::Value = read_json_if_exists(&dir.join("tokenizer_config.json"))?;
+        let gen_config: serde_json::Value =
+            read_json_if_exists(&dir.join("generation_config.json"))?;
+        let token_text = |key: &str| -> Option<String> {
+            match config.get(key) {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(serde_json::Value::Object(o)) => {
+                    o.get("content").and_then(|c| c.as_str()).map(String::from)
+                }
+                _ => None,
+            }
+        };
+        let bos_text = token_text("bos_token");
+        let eos_text = token_text("eos_token");
+        let bos_id = bos_text.as_deref().and_then(|t| inner.token_to_id(t));
+        let mut eos_ids: Vec<u32> = eos_text
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .into_iter()
+            .collect();
+        match gen_config.get("eos_token_id") {
+            Some(serde_json::Value::Number(n)) => eos_ids.extend(n.as_u64().map(|v| v as u32)),
+            Some(serde_json::Value::Array(a)) => {
+                eos_ids.extend(a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32))
+            }
+            _ => {}
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        let template = match config.get("chat_template").and_then(|t| t.as_str()) {
+            Some(src) => Some(ChatTemplate::new(src, bos_text, eos_text)?),
+            None => None,
+        };
+        Ok(Tokenizer {
+            inner,
+            bos_id,
+            eos_ids,
+            add_bos: false,
+            chat_template: template,
+        })
+    }
+
+    /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their ids;
+    /// `add_special` adds what the model expects around a prompt (BOS for Llama 3, say).
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special)
+            .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
+        let mut ids = enc.get_ids().to_vec();
+        if add_special && self.add_bos {
+            if let Some(b) = self.bos_id {
+                if ids.first() != Some(&b) {
+                    ids.insert(0, b);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| Error::Tokenizer(format!("decoding failed: {e}")))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_ids.contains(&id)
+    }
+}
+
+fn read_json_if_exists(path: &Path) -> Result<serde_json::Value> {
+    if !path.exists() {
+        return Ok(serde_json::Value::Null);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::format(path, format!("invalid JSON: {e}")))
+}
