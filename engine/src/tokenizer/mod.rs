@@ -116,6 +116,13 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("decoding failed: {e}")))
     }
 
+    /// The tokenizer as a Hugging Face `tokenizer.json` document.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(true)
+            .map_err(|e| Error::Tokenizer(format!("serializing: {e}")))
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

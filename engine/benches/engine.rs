@@ -1,0 +1,89 @@
+//! `cargo bench --bench engine`: prefill and single-stream decode throughput of the CPU backend on the
+//! default model, in both precision modes, plus the weight-bandwidth roofline for decode.
+//!
+//! Options (env, since cargo bench passes no flags through cleanly): KILN_BENCH_MODEL=path,
+//! KILN_BENCH_PROMPT=512, KILN_BENCH_DECODE=128, KILN_BENCH_MODES=fast,exact, KILN_BENCH_REPS=3.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use kiln::backend::Precision;
+use kiln::backend::cpu::CpuBackend;
+use kiln::generate::{GenerateOptions, SingleSequence};
+use kiln::load::load_model;
+
+fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Sustained read bandwidth of this machine (GB/s): sums a buffer far larger than the caches.
+fn read_bandwidth() -> f64 {
+    let n = 256 << 20;
+    let buf = vec![1u64; n / 8];
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: u64 = buf.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+        std::hint::black_box(s);
+        best = best.max(n as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+fn main() {
+    let model = std::env::var("KILN_BENCH_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            let cache = kiln::catalog::cache_dir(
+                std::env::var("XDG_CACHE_HOME").ok().as_deref(),
+                std::env::var("HOME").ok().as_deref(),
+            );
+            kiln::catalog::DEFAULT_MODEL
+                .require(&cache)
+                .unwrap_or_else(|e| panic!("{e}"))
+        });
+    let n_prompt = env_usize("KILN_BENCH_PROMPT", 512);
+    let n_decode = env_usize("KILN_BENCH_DECODE", 128);
+    let reps = env_usize("KILN_BENCH_REPS", 3);
+    let modes = std::env::var("KILN_BENCH_MODES").unwrap_or_else(|_| "fast,exact".into());
+    let weight_bytes = std::fs::metadata(&model).map(|m| m.len()).unwrap_or(0) as f64;
+    let bw = read_bandwidth();
+    println!(
+        "model {} ({:.1} MB), {} threads, read bandwidth {:.1} GB/s -> decode roofline {:.0} tok/s",
+        model.display(),
+        weight_bytes / 1e6,
+        rayon::current_num_threads(),
+        bw,
+        bw * 1e9 / weight_bytes
+    );
+    for mode in modes.split(',') {
+        let precision = match mode {
+            "exact" => Precision::Exact,
+            _ => Precision::Fast,
+        };
+        let m = load_model(CpuBackend::new(), &model, precision, |_, _| {}).expect("load");
+        let mut seq = SingleSequence::new(&m, n_prompt + n_decode + 1);
+        // Prompt ids cycle through ordinary vocabulary; the content does not change the work.
+        let prompt: Vec<u32> = (0..n_prompt as u32)
+            .map(|i| 1000 + (i * 37) % 40000)
+            .collect();
+        let opts = GenerateOptions {
+            max_tokens: n_decode,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let (mut best_pp, mut best_tg) = (0f64, 0f64);
+        for _ in 0..reps {
+            let r = seq.generate(&m, &prompt, &opts, |_| {}).expect("generate");
+            best_pp = best_pp.max(n_prompt as f64 / r.prefill_time.as_secs_f64());
+            best_tg = best_tg.max((r.output.len() - 1) as f64 / r.decode_time.as_secs_f64());
+        }
+        println!(
+            "{mode:>5}: prefill pp{n_prompt} {best_pp:8.1} tok/s | decode tg{n_decode} {best_tg:8.1} tok/s (best of {reps}, simd {:?})",
+            m.backend.simd_level()
+        );
+    }
+}
