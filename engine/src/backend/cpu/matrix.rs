@@ -279,7 +279,7 @@ fn chunk_rows(rows: usize, n_tokens: usize) -> usize {
     } else {
         threads * 4
     };
-    rows.div_ceil(target_chunks).max(4)
+    rows.div_ceil(target_chunks).next_multiple_of(4).max(4)
 }
 
 /// Tokens at or above this count use the blocked f32 GEMM instead of row dot products.
@@ -293,9 +293,16 @@ pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
     let nb = w.cols / QBLOCK;
     let acts: Vec<BlockQ8Act> = if needs_act {
         let mut a = vec![BlockQ8Act::default(); n * nb];
-        a.par_chunks_mut(nb)
-            .zip(x.data.par_chunks(w.cols))
-            .for_each(|(ab, xr)| quantize_activations(xr, ab));
+        if n >= 8 {
+            a.par_chunks_mut(nb)
+                .zip(x.data.par_chunks(w.cols))
+                .for_each(|(ab, xr)| quantize_activations(xr, ab));
+        } else {
+            // A thread hand-off costs more than quantizing a few rows.
+            for (ab, xr) in a.chunks_mut(nb).zip(x.data.chunks(w.cols)) {
+                quantize_activations(xr, ab);
+            }
+        }
         a
     } else {
         Vec::new()
@@ -340,27 +347,47 @@ pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
                     let r0 = c * chunk;
                     let r1 = (r0 + chunk).min(p.rows);
                     for t in 0..n {
-                        for r in r0..r1 {
-                            let v = match data {
-                                Rows::F32(d) => (k.dot_f32)(
-                                    &d[r * w.cols..(r + 1) * w.cols],
-                                    &x.data[t * w.cols..(t + 1) * w.cols],
+                        let at = if acts.is_empty() {
+                            &acts[..]
+                        } else {
+                            &acts[t * nb..(t + 1) * nb]
+                        };
+                        let xt = &x.data[t * w.cols..(t + 1) * w.cols];
+                        // SAFETY: (t, col0 + r) is inside out (n x out_stride); chunks own disjoint r.
+                        let put =
+                            |r: usize, v: f32| unsafe { *op.0.add(t * out_stride + col0 + r) = v };
+                        let mut r = r0;
+                        while r + 4 <= r1 {
+                            let vals = match data {
+                                Rows::F32(d) => [0, 1, 2, 3].map(|i| {
+                                    (k.dot_f32)(&d[(r + i) * w.cols..(r + i + 1) * w.cols], xt)
+                                }),
+                                Rows::Q4_1(b) => (k.dot4_q4_1)(
+                                    [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
+                                    at,
                                 ),
-                                Rows::Q4_1(b) => (k.dot_q4_1)(
-                                    &b[r * nb..(r + 1) * nb],
-                                    &acts[t * nb..(t + 1) * nb],
+                                Rows::Q8_0(b) => (k.dot4_q8_0)(
+                                    [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
+                                    at,
                                 ),
-                                Rows::Q8_0(b) => (k.dot_q8_0)(
-                                    &b[r * nb..(r + 1) * nb],
-                                    &acts[t * nb..(t + 1) * nb],
-                                ),
-                                Rows::Q8x16(b) => (k.dot_q8x16)(
-                                    &b[r * nb..(r + 1) * nb],
-                                    &acts[t * nb..(t + 1) * nb],
+                                Rows::Q8x16(b) => (k.dot4_q8x16)(
+                                    [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
+                                    at,
                                 ),
                             };
-                            // SAFETY: (t, col0 + r) is inside out (n x out_stride); chunks own disjoint r.
-                            unsafe { *op.0.add(t * out_stride + col0 + r) = v };
+                            for (i, v) in vals.into_iter().enumerate() {
+                                put(r + i, v);
+                            }
+                            r += 4;
+                        }
+                        for r in r..r1 {
+                            let v = match data {
+                                Rows::F32(d) => (k.dot_f32)(&d[r * w.cols..(r + 1) * w.cols], xt),
+                                Rows::Q4_1(b) => (k.dot_q4_1)(&b[r * nb..(r + 1) * nb], at),
+                                Rows::Q8_0(b) => (k.dot_q8_0)(&b[r * nb..(r + 1) * nb], at),
+                                Rows::Q8x16(b) => (k.dot_q8x16)(&b[r * nb..(r + 1) * nb], at),
+                            };
+                            put(r, v);
                         }
                     }
                 });

@@ -175,32 +175,41 @@ impl Backend for CpuBackend {
     ) {
         let cols = x.cols;
         let half = spec.rope_dim / 2;
-        x.data
-            .par_chunks_mut(cols)
-            .zip(positions.par_iter())
-            .for_each(|(row, &pos)| {
-                let p = pos as f32 / spec.position_scale;
-                let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+        let rotate = |(row, &pos): (&mut [f32], &usize)| {
+            let p = pos as f32 / spec.position_scale;
+            let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+            for i in 0..half {
+                let a = p * spec.inv_freq[i];
+                cos[i] = a.cos();
+                sin[i] = a.sin();
+            }
+            for h in 0..n_heads {
+                let head =
+                    &mut row[col_offset + h * spec.head_dim..col_offset + (h + 1) * spec.head_dim];
                 for i in 0..half {
-                    let a = p * spec.inv_freq[i];
-                    cos[i] = a.cos();
-                    sin[i] = a.sin();
+                    let (a, b) = if spec.interleaved {
+                        (2 * i, 2 * i + 1)
+                    } else {
+                        (i, i + half)
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos[i] - x1 * sin[i];
+                    head[b] = x0 * sin[i] + x1 * cos[i];
                 }
-                for h in 0..n_heads {
-                    let head = &mut row
-                        [col_offset + h * spec.head_dim..col_offset + (h + 1) * spec.head_dim];
-                    for i in 0..half {
-                        let (a, b) = if spec.interleaved {
-                            (2 * i, 2 * i + 1)
-                        } else {
-                            (i, i + half)
-                        };
-                        let (x0, x1) = (head[a], head[b]);
-                        head[a] = x0 * cos[i] - x1 * sin[i];
-                        head[b] = x0 * sin[i] + x1 * cos[i];
-                    }
-                }
-            });
+            }
+        };
+        // A thread hand-off costs more than rotating a few rows.
+        if positions.len() >= 8 {
+            x.data
+                .par_chunks_mut(cols)
+                .zip(positions.par_iter())
+                .for_each(rotate);
+        } else {
+            x.data
+                .chunks_mut(cols)
+                .zip(positions.iter())
+                .for_each(rotate);
+        }
     }
 
     fn attention(

@@ -53,6 +53,11 @@ pub struct Kernels {
     pub dot_q4_1: fn(&[BlockQ4_1], &[BlockQ8Act]) -> f32,
     pub dot_q8_0: fn(&[BlockQ8_0], &[BlockQ8Act]) -> f32,
     pub dot_q8x16: fn(&[BlockQ8x16], &[BlockQ8Act]) -> f32,
+    /// Four weight rows against one activation row: the activation is loaded once per block and the
+    /// four accumulator chains hide each other's latency.
+    pub dot4_q4_1: fn([&[BlockQ4_1]; 4], &[BlockQ8Act]) -> [f32; 4],
+    pub dot4_q8_0: fn([&[BlockQ8_0]; 4], &[BlockQ8Act]) -> [f32; 4],
+    pub dot4_q8x16: fn([&[BlockQ8x16]; 4], &[BlockQ8Act]) -> [f32; 4],
 }
 
 impl Kernels {
@@ -65,6 +70,9 @@ impl Kernels {
                 dot_q4_1: x86::dot_q4_1_vnni_safe,
                 dot_q8_0: x86::dot_q8_0_vnni_safe,
                 dot_q8x16: x86::dot_q8x16_vnni_safe,
+                dot4_q4_1: x86::dot4_q4_1_vnni_safe,
+                dot4_q8_0: x86::dot4_q8_0_vnni_safe,
+                dot4_q8x16: x86::dot4_q8x16_vnni_safe,
             },
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2 => Kernels {
@@ -73,6 +81,9 @@ impl Kernels {
                 dot_q4_1: x86::dot_q4_1_avx2_safe,
                 dot_q8_0: x86::dot_q8_0_avx2_safe,
                 dot_q8x16: x86::dot_q8x16_avx2_safe,
+                dot4_q4_1: x86::dot4_q4_1_avx2_safe,
+                dot4_q8_0: x86::dot4_q8_0_avx2_safe,
+                dot4_q8x16: x86::dot4_q8x16_avx2_safe,
             },
             _ => Kernels {
                 level: SimdLevel::Scalar,
@@ -80,6 +91,9 @@ impl Kernels {
                 dot_q4_1: scalar::dot_q4_1,
                 dot_q8_0: scalar::dot_q8_0,
                 dot_q8x16: scalar::dot_q8x16,
+                dot4_q4_1: |w, a| w.map(|r| scalar::dot_q4_1(r, a)),
+                dot4_q8_0: |w, a| w.map(|r| scalar::dot_q8_0(r, a)),
+                dot4_q8x16: |w, a| w.map(|r| scalar::dot_q8x16(r, a)),
             },
         }
     }
@@ -367,6 +381,124 @@ mod x86 {
             }
         }
         unsafe { hsum256(acc) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")]
+    unsafe fn dot_u8i8_vnni(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+    }
+
+    macro_rules! rows4_kernels {
+        ($feat:literal, $idot:ident, $q4:ident, $q8:ident, $q8x16:ident) => {
+            #[target_feature(enable = $feat)]
+            unsafe fn $q4(w: [&[BlockQ4_1]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+                assert!(
+                    w.iter().all(|r| r.len() >= a.len()),
+                    "weight rows shorter than activations"
+                );
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut summ = [0f32; 4];
+                for (b, ab) in a.iter().enumerate() {
+                    unsafe {
+                        let av = load_i8(&ab.qs);
+                        for r in 0..4 {
+                            let wb = w[r].get_unchecked(b);
+                            let p = $idot(load_q4(&wb.qs), av);
+                            let scale = _mm256_set1_ps(h2f(wb.d) * ab.d);
+                            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+                            summ[r] += h2f(wb.m) * ab.s;
+                        }
+                    }
+                }
+                unsafe { std::array::from_fn(|r| hsum256(acc[r]) + summ[r]) }
+            }
+
+            #[target_feature(enable = $feat)]
+            unsafe fn $q8(w: [&[BlockQ8_0]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+                assert!(
+                    w.iter().all(|r| r.len() >= a.len()),
+                    "weight rows shorter than activations"
+                );
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for (b, ab) in a.iter().enumerate() {
+                    unsafe {
+                        let av = load_i8(&ab.qs);
+                        for r in 0..4 {
+                            let wb = w[r].get_unchecked(b);
+                            let wv = load_i8(&wb.qs);
+                            let p = $idot(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+                            let scale = _mm256_set1_ps(h2f(wb.d) * ab.d);
+                            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+                        }
+                    }
+                }
+                unsafe { std::array::from_fn(|r| hsum256(acc[r])) }
+            }
+
+            #[target_feature(enable = $feat)]
+            unsafe fn $q8x16(w: [&[BlockQ8x16]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+                assert!(
+                    w.iter().all(|r| r.len() >= a.len()),
+                    "weight rows shorter than activations"
+                );
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for (b, ab) in a.iter().enumerate() {
+                    unsafe {
+                        let av = load_i8(&ab.qs);
+                        let da = _mm256_set1_ps(ab.d);
+                        for r in 0..4 {
+                            let wb = w[r].get_unchecked(b);
+                            let wv = load_i8(&wb.qs);
+                            let p = $idot(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+                            let scale = _mm256_mul_ps(
+                                _mm256_set_m128(
+                                    _mm_set1_ps(h2f(wb.d[1])),
+                                    _mm_set1_ps(h2f(wb.d[0])),
+                                ),
+                                da,
+                            );
+                            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+                        }
+                    }
+                }
+                unsafe { std::array::from_fn(|r| hsum256(acc[r])) }
+            }
+        };
+    }
+
+    rows4_kernels!(
+        "avx2,fma,f16c",
+        dot_u8i8_avx2,
+        dot4_q4_1_avx2,
+        dot4_q8_0_avx2,
+        dot4_q8x16_avx2
+    );
+    rows4_kernels!(
+        "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c",
+        dot_u8i8_vnni,
+        dot4_q4_1_vnni,
+        dot4_q8_0_vnni,
+        dot4_q8x16_vnni
+    );
+
+    pub fn dot4_q4_1_avx2_safe(w: [&[BlockQ4_1]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+        unsafe { dot4_q4_1_avx2(w, a) }
+    }
+    pub fn dot4_q8_0_avx2_safe(w: [&[BlockQ8_0]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+        unsafe { dot4_q8_0_avx2(w, a) }
+    }
+    pub fn dot4_q8x16_avx2_safe(w: [&[BlockQ8x16]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+        unsafe { dot4_q8x16_avx2(w, a) }
+    }
+    pub fn dot4_q4_1_vnni_safe(w: [&[BlockQ4_1]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+        unsafe { dot4_q4_1_vnni(w, a) }
+    }
+    pub fn dot4_q8_0_vnni_safe(w: [&[BlockQ8_0]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+        unsafe { dot4_q8_0_vnni(w, a) }
+    }
+    pub fn dot4_q8x16_vnni_safe(w: [&[BlockQ8x16]; 4], a: &[BlockQ8Act]) -> [f32; 4] {
+        unsafe { dot4_q8x16_vnni(w, a) }
     }
 
     // Safe entry points: only installed in a `Kernels` after `SimdLevel::detect` saw the features.
