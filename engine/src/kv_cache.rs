@@ -104,7 +104,7 @@ mod tests {
     fn full_pool_is_an_error_and_allocates_nothing() {
         let mut a = BlockAllocator::new(2, 16);
         let mut s = SeqBlocks::default();
-        let err = s.reserve(&mut a, 48).err().expect("must fail");
+        let err = s.reserve(&mut a, 48).expect_err("must fail");
         assert!(matches!(err, Error::KvCacheFull { needed: 3, free: 2 }));
         assert_eq!(a.num_free(), 2);
         assert!(s.table.is_empty());

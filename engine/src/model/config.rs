@@ -102,7 +102,7 @@ impl ModelConfig {
             .map(|v| v as usize)
             .unwrap_or(hidden_size / n_heads);
         let vocab_size = match g
-            .meta(&"tokenizer.ggml.tokens".to_string())
+            .meta("tokenizer.ggml.tokens")
             .and_then(|v| v.as_array())
         {
             Some(t) => t.len(),
@@ -217,16 +217,16 @@ impl ModelConfig {
 
     fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} attention heads are not a multiple of {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
         if self.head_dim == 0
-            || self.head_dim % 2 != 0
+            || !self.head_dim.is_multiple_of(2)
             || self.rope_dim > self.head_dim
-            || self.rope_dim % 2 != 0
+            || !self.rope_dim.is_multiple_of(2)
         {
             return bad(format!(
                 "head_dim {} / rope dim {} are invalid",

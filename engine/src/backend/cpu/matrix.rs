@@ -36,7 +36,7 @@ pub struct CpuMatrix {
 }
 
 fn block_count(v: &TensorView, cols: usize) -> Result<usize> {
-    if cols % QBLOCK != 0 {
+    if !cols.is_multiple_of(QBLOCK) {
         return Err(Error::tensor(
             &v.path,
             &v.name,
@@ -227,15 +227,15 @@ impl CpuMatrix {
                 Rows::Q8_0(b) => {
                     for (blk, o) in b[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
                         let d = super::blocks::f16_to_f32(blk.d);
-                        for j in 0..32 {
-                            o[j] = blk.qs[j] as f32 * d;
+                        for (oj, q) in o.iter_mut().zip(&blk.qs) {
+                            *oj = *q as f32 * d;
                         }
                     }
                 }
                 Rows::Q8x16(b) => {
                     for (blk, o) in b[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
-                        for j in 0..32 {
-                            o[j] = blk.qs[j] as f32 * super::blocks::f16_to_f32(blk.d[j / 16]);
+                        for (j, (oj, q)) in o.iter_mut().zip(&blk.qs).enumerate() {
+                            *oj = *q as f32 * super::blocks::f16_to_f32(blk.d[j / 16]);
                         }
                     }
                 }
