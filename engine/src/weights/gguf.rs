@@ -82,6 +82,8 @@ pub struct TensorInfo {
     /// Byte offset from the start of the file.
     pub offset: usize,
     pub n_bytes: usize,
+    /// The ggml type id when kiln cannot read this tensor's type (an error only if the model uses it).
+    pub unsupported_type: Option<u32>,
 }
 
 /// An opened GGUF file.
@@ -277,16 +279,15 @@ impl GgufFile {
                     })?;
                     (dt, nb)
                 }
-                (Err(e), _) => {
+                (Err(ty), _) => {
                     tensors.push(TensorInfo {
                         name: name.clone(),
                         dims,
                         dtype: DType::F32,
-                        offset: usize::MAX,
+                        offset: 0,
                         n_bytes: 0,
+                        unsupported_type: Some(ty),
                     });
-                    // Remember the error by poisoning the offset; `view` reports it.
-                    let _ = e;
                     continue;
                 }
                 (_, None) => return Err(Error::tensor(path, &name, "element count overflows")),
@@ -309,6 +310,7 @@ impl GgufFile {
                 dtype,
                 offset: start,
                 n_bytes,
+                unsupported_type: None,
             });
         }
         let by_name = tensors

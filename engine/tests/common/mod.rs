@@ -37,3 +37,55 @@ pub fn fixture(name: &str) -> serde_json::Value {
     let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
+
+/// A minimal GGUF v3 writer for error-path tests: string and u32 metadata, raw tensor bytes.
+pub enum Meta<'a> {
+    Str(&'a str),
+    U32(u32),
+}
+
+pub fn write_gguf(path: &std::path::Path, meta: &[(&str, Meta<'_>)], tensors: &[(&str, &[u64], u32, &[u8])]) {
+    let mut b = Vec::new();
+    let put_str = |b: &mut Vec<u8>, s: &str| {
+        b.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        b.extend_from_slice(s.as_bytes());
+    };
+    b.extend_from_slice(b"GGUF");
+    b.extend_from_slice(&3u32.to_le_bytes());
+    b.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    b.extend_from_slice(&(meta.len() as u64).to_le_bytes());
+    for (k, v) in meta {
+        put_str(&mut b, k);
+        match v {
+            Meta::Str(s) => {
+                b.extend_from_slice(&8u32.to_le_bytes());
+                put_str(&mut b, s);
+            }
+            Meta::U32(x) => {
+                b.extend_from_slice(&4u32.to_le_bytes());
+                b.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+    }
+    let mut offset = 0u64;
+    for (name, dims, ty, data) in tensors {
+        put_str(&mut b, name);
+        b.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+        for d in *dims {
+            b.extend_from_slice(&d.to_le_bytes());
+        }
+        b.extend_from_slice(&ty.to_le_bytes());
+        b.extend_from_slice(&offset.to_le_bytes());
+        offset += (data.len() as u64).div_ceil(32) * 32;
+    }
+    while b.len() % 32 != 0 {
+        b.push(0);
+    }
+    for (_, _, _, data) in tensors {
+        b.extend_from_slice(data);
+        while b.len() % 32 != 0 {
+            b.push(0);
+        }
+    }
+    std::fs::write(path, b).expect("write gguf");
+}
