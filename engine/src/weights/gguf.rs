@@ -246,16 +246,7 @@ impl GgufFile {
             }
             let ty = c.u32(&name)?;
             let offset = c.u64(&name)?;
-            let dtype = DType::from_ggml(ty).ok_or_else(|| {
-                Error::tensor(
-                    path,
-                    &name,
-                    format!(
-                        "tensor type {} (ggml id {ty}) is not supported",
-                        DType::ggml_name(ty)
-                    ),
-                )
-            });
+            let dtype = DType::from_ggml(ty).ok_or(ty);
             raw_offsets.push((name, dims, dtype, offset));
         }
         let alignment = metadata
