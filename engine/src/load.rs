@@ -38,17 +38,20 @@ pub fn load_model<B: Backend>(
             std::io::Error::new(std::io::ErrorKind::NotFound, "model not found"),
         ));
     }
-    let (store, config, tokenizer) = if path.is_dir() {
+    // Weights first: a broken tensor is the more specific error than a tokenizer problem.
+    let (store, config) = if path.is_dir() {
         let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
-        let tokenizer = Tokenizer::from_hf_dir(path)?;
-        (WeightStore::Hf(HfDir::open(path)?), config, tokenizer)
+        (WeightStore::Hf(HfDir::open(path)?), config)
     } else {
         let g = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&g)?;
-        let tokenizer = Tokenizer::from_gguf(&g)?;
-        (WeightStore::Gguf(g), config, tokenizer)
+        (WeightStore::Gguf(g), config)
     };
     let model = Llama::load(&backend, config, &store, precision, progress)?;
+    let tokenizer = match &store {
+        WeightStore::Hf(_) => Tokenizer::from_hf_dir(path)?,
+        WeightStore::Gguf(g) => Tokenizer::from_gguf(g)?,
+    };
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
