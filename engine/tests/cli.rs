@@ -6,10 +6,13 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{write_gguf, Meta};
+use common::{Meta, write_gguf};
 
 fn kiln(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run kiln");
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .expect("run kiln");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).to_string(),
@@ -33,18 +36,41 @@ fn assert_clean_failure(ok: bool, stderr: &str, needles: &[&str]) {
 fn json_output_is_one_object_and_matches_streamed_text() {
     let model = common::smollm2();
     let m = model.to_str().expect("utf-8 path");
-    let (ok, stdout, stderr) =
-        kiln(&["generate", "--model", m, "--chat", "Say hello.", "--max-tokens", "12", "--json"]);
+    let (ok, stdout, stderr) = kiln(&[
+        "generate",
+        "--model",
+        m,
+        "--chat",
+        "Say hello.",
+        "--max-tokens",
+        "12",
+        "--json",
+    ]);
     assert!(ok, "{stderr}");
     let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines.len(), 1, "stdout must hold exactly one JSON object: {stdout}");
+    assert_eq!(
+        lines.len(),
+        1,
+        "stdout must hold exactly one JSON object: {stdout}"
+    );
     let v: serde_json::Value = serde_json::from_str(lines[0]).expect("valid JSON");
     let prompt_ids = v["prompt_ids"].as_array().expect("prompt_ids");
     let output_ids = v["output_ids"].as_array().expect("output_ids");
     assert!(!prompt_ids.is_empty() && !output_ids.is_empty() && output_ids.len() <= 12);
-    let (ok, streamed, stderr) = kiln(&["generate", "--model", m, "--chat", "Say hello.", "--max-tokens", "12"]);
+    let (ok, streamed, stderr) = kiln(&[
+        "generate",
+        "--model",
+        m,
+        "--chat",
+        "Say hello.",
+        "--max-tokens",
+        "12",
+    ]);
     assert!(ok, "{stderr}");
-    assert_eq!(streamed.trim_end_matches('\n'), v["text"].as_str().expect("text"));
+    assert_eq!(
+        streamed.trim_end_matches('\n'),
+        v["text"].as_str().expect("text")
+    );
     assert!(stderr.contains("tok/s"), "speed report missing: {stderr}");
 }
 
@@ -72,7 +98,13 @@ fn prompt_ids_and_ignore_eos_give_exactly_max_tokens() {
 
 #[test]
 fn missing_model_names_the_path() {
-    let (ok, _, stderr) = kiln(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"]);
+    let (ok, _, stderr) = kiln(&[
+        "generate",
+        "--model",
+        "/nonexistent/model.gguf",
+        "--prompt",
+        "hi",
+    ]);
     assert_clean_failure(ok, &stderr, &["/nonexistent/model.gguf"]);
 }
 
@@ -80,7 +112,13 @@ fn missing_model_names_the_path() {
 fn missing_default_model_says_what_to_run() {
     let dir = temp("empty-cache");
     std::fs::create_dir_all(&dir).expect("dir");
-    let (ok, _, stderr) = kiln(&["generate", "--cache-dir", dir.to_str().expect("utf-8"), "--prompt", "hi"]);
+    let (ok, _, stderr) = kiln(&[
+        "generate",
+        "--cache-dir",
+        dir.to_str().expect("utf-8"),
+        "--prompt",
+        "hi",
+    ]);
     assert_clean_failure(ok, &stderr, &["kiln fetch"]);
 }
 
@@ -90,16 +128,32 @@ fn truncated_model_names_file_and_tensor() {
     let bytes = std::fs::read(&src).expect("read model");
     let path = temp("truncated.gguf");
     std::fs::write(&path, &bytes[..bytes.len() / 3]).expect("write");
-    let (ok, _, stderr) = kiln(&["generate", "--model", path.to_str().expect("utf-8"), "--prompt", "hi"]);
+    let (ok, _, stderr) = kiln(&[
+        "generate",
+        "--model",
+        path.to_str().expect("utf-8"),
+        "--prompt",
+        "hi",
+    ]);
     let _ = std::fs::remove_file(&path);
-    assert_clean_failure(ok, &stderr, &["truncated", "tensor `", path.to_str().expect("utf-8")]);
+    assert_clean_failure(
+        ok,
+        &stderr,
+        &["truncated", "tensor `", path.to_str().expect("utf-8")],
+    );
 }
 
 #[test]
 fn not_a_gguf_file_is_an_error() {
     let path = temp("garbage.gguf");
     std::fs::write(&path, b"this is not a model file at all").expect("write");
-    let (ok, _, stderr) = kiln(&["generate", "--model", path.to_str().expect("utf-8"), "--prompt", "hi"]);
+    let (ok, _, stderr) = kiln(&[
+        "generate",
+        "--model",
+        path.to_str().expect("utf-8"),
+        "--prompt",
+        "hi",
+    ]);
     let _ = std::fs::remove_file(&path);
     assert_clean_failure(ok, &stderr, &["not a GGUF file"]);
 }
@@ -121,7 +175,13 @@ fn llama_meta(arch: &'static str) -> Vec<(&'static str, Meta<'static>)> {
 fn unknown_architecture_is_named() {
     let path = temp("falcon.gguf");
     write_gguf(&path, &llama_meta("falcon"), &[]);
-    let (ok, _, stderr) = kiln(&["generate", "--model", path.to_str().expect("utf-8"), "--prompt", "hi"]);
+    let (ok, _, stderr) = kiln(&[
+        "generate",
+        "--model",
+        path.to_str().expect("utf-8"),
+        "--prompt",
+        "hi",
+    ]);
     let _ = std::fs::remove_file(&path);
     assert_clean_failure(ok, &stderr, &["unsupported architecture `falcon`"]);
 }
@@ -131,8 +191,18 @@ fn unsupported_tensor_type_names_the_tensor() {
     let path = temp("q2k.gguf");
     // token_embd.weight stored as Q2_K (ggml type 10), which kiln does not read.
     let data = vec![0u8; 84 * 4];
-    write_gguf(&path, &llama_meta("llama"), &[("token_embd.weight", &[256, 4], 10, &data)]);
-    let (ok, _, stderr) = kiln(&["generate", "--model", path.to_str().expect("utf-8"), "--prompt", "hi"]);
+    write_gguf(
+        &path,
+        &llama_meta("llama"),
+        &[("token_embd.weight", &[256, 4], 10, &data)],
+    );
+    let (ok, _, stderr) = kiln(&[
+        "generate",
+        "--model",
+        path.to_str().expect("utf-8"),
+        "--prompt",
+        "hi",
+    ]);
     let _ = std::fs::remove_file(&path);
     assert_clean_failure(ok, &stderr, &["token_embd.weight", "Q2_K"]);
     assert!(Path::new(env!("CARGO_BIN_EXE_kiln")).exists());

@@ -101,10 +101,7 @@ impl ModelConfig {
             .meta_u64(&key("attention.key_length"))
             .map(|v| v as usize)
             .unwrap_or(hidden_size / n_heads);
-        let vocab_size = match g
-            .meta("tokenizer.ggml.tokens")
-            .and_then(|v| v.as_array())
-        {
+        let vocab_size = match g.meta("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
             Some(t) => t.len(),
             None => g.view("token_embd.weight")?.matrix_shape()?.0,
         };
@@ -217,7 +214,10 @@ impl ModelConfig {
 
     fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
-        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return bad(format!(
                 "{} attention heads are not a multiple of {} KV heads",
                 self.n_heads, self.n_kv_heads

@@ -100,11 +100,13 @@ impl Tokenizer {
             .encode(text, add_special)
             .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
         let mut ids = enc.get_ids().to_vec();
-        if add_special && self.add_bos
+        if add_special
+            && self.add_bos
             && let Some(b) = self.bos_id
-                && ids.first() != Some(&b) {
-                    ids.insert(0, b);
-                }
+            && ids.first() != Some(&b)
+        {
+            ids.insert(0, b);
+        }
         Ok(ids)
     }
 

@@ -346,11 +346,14 @@ impl GgufFile {
             .get(name)
             .map(|&i| &self.tensors[i])
             .ok_or_else(|| Error::tensor(&self.path, name, "missing from the file"))?;
-        if info.offset == usize::MAX {
+        if let Some(ty) = info.unsupported_type {
             return Err(Error::tensor(
                 &self.path,
                 name,
-                "tensor type is not supported by kiln",
+                format!(
+                    "tensor type {} (ggml id {ty}) is not supported; kiln reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K",
+                    DType::ggml_name(ty)
+                ),
             ));
         }
         let mut shape: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();

@@ -44,7 +44,11 @@ pub enum Meta<'a> {
     U32(u32),
 }
 
-pub fn write_gguf(path: &std::path::Path, meta: &[(&str, Meta<'_>)], tensors: &[(&str, &[u64], u32, &[u8])]) {
+pub fn write_gguf(
+    path: &std::path::Path,
+    meta: &[(&str, Meta<'_>)],
+    tensors: &[(&str, &[u64], u32, &[u8])],
+) {
     let mut b = Vec::new();
     let put_str = |b: &mut Vec<u8>, s: &str| {
         b.extend_from_slice(&(s.len() as u64).to_le_bytes());
