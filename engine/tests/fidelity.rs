@@ -15,7 +15,7 @@ use kiln::backend::cpu::CpuBackend;
 use kiln::backend::{Backend, Precision, SeqSpan};
 use kiln::generate::{GenerateOptions, SingleSequence};
 use kiln::kv_cache::{BlockAllocator, SeqBlocks};
-use kiln::load::{load_model, LoadedModel};
+use kiln::load::{LoadedModel, load_model};
 use kiln::model::{ForwardBatch, Workspace};
 
 const MARGIN: f32 = 0.1;
@@ -31,9 +31,12 @@ struct Case {
 
 fn cases(fixture: &str) -> Vec<Case> {
     let f = common::fixture(fixture);
-    let sample_ids: Vec<u32> = serde_json::from_value(f["logit_sample_ids"].clone()).expect("sample ids");
-    let ids = |v: &serde_json::Value| -> Vec<u32> { serde_json::from_value(v.clone()).expect("ids") };
-    let floats = |v: &serde_json::Value| -> Vec<f32> { serde_json::from_value(v.clone()).expect("floats") };
+    let sample_ids: Vec<u32> =
+        serde_json::from_value(f["logit_sample_ids"].clone()).expect("sample ids");
+    let ids =
+        |v: &serde_json::Value| -> Vec<u32> { serde_json::from_value(v.clone()).expect("ids") };
+    let floats =
+        |v: &serde_json::Value| -> Vec<f32> { serde_json::from_value(v.clone()).expect("floats") };
     f["cases"]
         .as_array()
         .expect("cases")
@@ -70,7 +73,9 @@ fn teacher_forced(m: &LoadedModel<CpuBackend>, case: &Case) -> Vec<Vec<f32>> {
     let mut alloc = BlockAllocator::new(n_blocks, block);
     let mut seq = SeqBlocks::default();
     seq.reserve(&mut alloc, n).expect("kv");
-    let mut kv = m.backend.kv_store(c.n_layers, n_blocks, block, c.kv_width());
+    let mut kv = m
+        .backend
+        .kv_store(c.n_layers, n_blocks, block, c.kv_width());
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,
@@ -111,14 +116,22 @@ fn check(model: &std::path::Path, fixture: &str, precision: Precision, logit_tol
         for (s, (row, &want)) in steps.iter().zip(&case.greedy_ids).enumerate() {
             if case.margins[s] > MARGIN {
                 let got = kiln::sampling::argmax(row);
-                assert_eq!(got, want, "{precision:?} {}: step {s} (margin {})", case.name, case.margins[s]);
+                assert_eq!(
+                    got, want,
+                    "{precision:?} {}: step {s} (margin {})",
+                    case.name, case.margins[s]
+                );
             }
         }
         let mut worst = 0f32;
         for (s, (ids, reference)) in case.logits.iter().enumerate() {
             let e = logit_error(&steps[s], ids, reference);
             worst = worst.max(e);
-            assert!(e <= logit_tolerance, "{precision:?} {}: step {s} logit error {e}", case.name);
+            assert!(
+                e <= logit_tolerance,
+                "{precision:?} {}: step {s} logit error {e}",
+                case.name
+            );
         }
         // Free-running greedy decode through the KV cache, up to the first near-tie.
         let trusted = case.margins.iter().take_while(|&&mg| mg > MARGIN).count();
@@ -128,9 +141,20 @@ fn check(model: &std::path::Path, fixture: &str, precision: Precision, logit_tol
             ..Default::default()
         };
         let mut seq = SingleSequence::new(&m, case.prompt_ids.len() + case.greedy_ids.len() + 1);
-        let out = seq.generate(&m, &case.prompt_ids, &opts, |_| {}).expect("generate").ids();
-        assert_eq!(out[..trusted], case.greedy_ids[..trusted], "{precision:?} {}: free-running greedy", case.name);
-        report.push(format!("{}: logit error {worst:.2e}, {trusted} trusted steps", case.name));
+        let out = seq
+            .generate(&m, &case.prompt_ids, &opts, |_| {})
+            .expect("generate")
+            .ids();
+        assert_eq!(
+            out[..trusted],
+            case.greedy_ids[..trusted],
+            "{precision:?} {}: free-running greedy",
+            case.name
+        );
+        report.push(format!(
+            "{}: logit error {worst:.2e}, {trusted} trusted steps",
+            case.name
+        ));
     }
     eprintln!("{fixture} {precision:?}:\n  {}", report.join("\n  "));
 }
@@ -143,20 +167,40 @@ const FAST_TOLERANCE: f32 = 0.06;
 
 #[test]
 fn smollm2_exact() {
-    check(&common::smollm2(), "smollm2-135m.greedy.json", Precision::Exact, EXACT_TOLERANCE);
+    check(
+        &common::smollm2(),
+        "smollm2-135m.greedy.json",
+        Precision::Exact,
+        EXACT_TOLERANCE,
+    );
 }
 
 #[test]
 fn smollm2_fast() {
-    check(&common::smollm2(), "smollm2-135m.greedy.json", Precision::Fast, FAST_TOLERANCE);
+    check(
+        &common::smollm2(),
+        "smollm2-135m.greedy.json",
+        Precision::Fast,
+        FAST_TOLERANCE,
+    );
 }
 
 #[test]
 fn qwen_exact() {
-    check(&common::qwen(), "qwen2.5-coder-0.5b.greedy.json", Precision::Exact, EXACT_TOLERANCE);
+    check(
+        &common::qwen(),
+        "qwen2.5-coder-0.5b.greedy.json",
+        Precision::Exact,
+        EXACT_TOLERANCE,
+    );
 }
 
 #[test]
 fn qwen_fast() {
-    check(&common::qwen(), "qwen2.5-coder-0.5b.greedy.json", Precision::Fast, FAST_TOLERANCE);
+    check(
+        &common::qwen(),
+        "qwen2.5-coder-0.5b.greedy.json",
+        Precision::Fast,
+        FAST_TOLERANCE,
+    );
 }

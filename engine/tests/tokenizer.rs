@@ -20,39 +20,63 @@ fn check_encode_decode(tok: &Tokenizer, fixture: &str) {
         let got = tok.encode(text, false).expect("encode");
         assert_eq!(got, want, "encode {text:?}");
         let decoded = tok.decode(&want, false).expect("decode");
-        assert_eq!(decoded, case["decoded"].as_str().expect("decoded"), "decode {text:?}");
+        assert_eq!(
+            decoded,
+            case["decoded"].as_str().expect("decoded"),
+            "decode {text:?}"
+        );
     }
 }
 
 fn check_chat_template(tok: &Tokenizer, fixture: &str) {
     let f = common::fixture(fixture);
-    let tmpl = tok.chat_template.as_ref().expect("the model has a chat template");
+    let tmpl = tok
+        .chat_template
+        .as_ref()
+        .expect("the model has a chat template");
     for case in f["cases"].as_array().expect("cases") {
-        let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).expect("messages");
+        let messages: Vec<ChatMessage> =
+            serde_json::from_value(case["messages"].clone()).expect("messages");
         let agp = case["add_generation_prompt"].as_bool().expect("flag");
         let got = tmpl.render(&messages, agp).expect("render");
-        assert_eq!(got, case["rendered"].as_str().expect("rendered"), "messages {messages:?}");
+        assert_eq!(
+            got,
+            case["rendered"].as_str().expect("rendered"),
+            "messages {messages:?}"
+        );
     }
 }
 
 #[test]
 fn smollm2_encode_decode_matches_reference() {
-    check_encode_decode(&tokenizer(&common::smollm2()), "smollm2-135m.tokenizer.json");
+    check_encode_decode(
+        &tokenizer(&common::smollm2()),
+        "smollm2-135m.tokenizer.json",
+    );
 }
 
 #[test]
 fn qwen_encode_decode_matches_reference() {
-    check_encode_decode(&tokenizer(&common::qwen()), "qwen2.5-coder-0.5b.tokenizer.json");
+    check_encode_decode(
+        &tokenizer(&common::qwen()),
+        "qwen2.5-coder-0.5b.tokenizer.json",
+    );
 }
 
 #[test]
 fn smollm2_chat_template_matches_reference() {
-    check_chat_template(&tokenizer(&common::smollm2()), "smollm2-135m.chat_template.json");
+    check_chat_template(
+        &tokenizer(&common::smollm2()),
+        "smollm2-135m.chat_template.json",
+    );
 }
 
 #[test]
 fn qwen_chat_template_matches_reference() {
-    check_chat_template(&tokenizer(&common::qwen()), "qwen2.5-coder-0.5b.chat_template.json");
+    check_chat_template(
+        &tokenizer(&common::qwen()),
+        "qwen2.5-coder-0.5b.chat_template.json",
+    );
 }
 
 #[test]
@@ -65,7 +89,10 @@ fn incremental_decoding_never_splits_a_character() {
         let mut out = String::new();
         for &id in &ids {
             if let Some(piece) = dec.push(&tok, id).expect("push") {
-                assert!(!piece.contains('\u{FFFD}'), "broken character in piece {piece:?}");
+                assert!(
+                    !piece.contains('\u{FFFD}'),
+                    "broken character in piece {piece:?}"
+                );
                 out.push_str(&piece);
             }
         }
@@ -80,7 +107,9 @@ fn incremental_decoding_never_splits_a_character() {
 #[test]
 fn special_tokens_in_text_become_their_ids() {
     let tok = tokenizer(&common::smollm2());
-    let ids = tok.encode("<|im_start|>user\nhi<|im_end|>", false).expect("encode");
+    let ids = tok
+        .encode("<|im_start|>user\nhi<|im_end|>", false)
+        .expect("encode");
     assert_eq!(ids.first(), Some(&1));
     assert_eq!(ids.last(), Some(&2));
     assert!(tok.is_eos(2));

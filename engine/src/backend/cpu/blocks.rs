@@ -64,3 +64,76 @@ pub fn f16_to_f32(bits: u16) -> f32 {
 pub fn f32_to_f16(v: f32) -> u16 {
     half::f16::from_f32(v).to_bits()
 }
+
+/// Eight rows' block `b`, interleaved so one SIMD lane accumulates one row: chunk `k` (elements
+/// `4k..4k+4`) of row `i` sits at bytes `4i..4i+4` of a 32-byte group. Group `j` of `qs` holds chunk
+/// `2j` in its low nibbles and chunk `2j + 1` in its high nibbles. Values `d[i] * q + m[i]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ4_1x8 {
+    pub d: [u16; 8],
+    pub m: [u16; 8],
+    pub qs: [u8; 128],
+}
+
+/// Eight rows' block of signed 8-bit weights, same interleaving (group `k` = chunk `k`, 32 bytes):
+/// `d[h][i]` scales row `i`'s elements `16h..16h+16` (Q8_0 repeats one scale in both halves).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ8x8 {
+    pub d: [[u16; 8]; 2],
+    pub qs: [i8; 256],
+}
+
+impl BlockQ4_1x8 {
+    pub fn pack(rows: [&BlockQ4_1; 8]) -> Self {
+        let q = |i: usize, e: usize| -> u8 {
+            let b = rows[i];
+            if e < 16 {
+                b.qs[e] & 0x0f
+            } else {
+                b.qs[e - 16] >> 4
+            }
+        };
+        let mut qs = [0u8; 128];
+        for j in 0..4 {
+            for i in 0..8 {
+                for t in 0..4 {
+                    qs[j * 32 + 4 * i + t] = q(i, 8 * j + t) | (q(i, 8 * j + 4 + t) << 4);
+                }
+            }
+        }
+        BlockQ4_1x8 {
+            d: rows.map(|r| r.d),
+            m: rows.map(|r| r.m),
+            qs,
+        }
+    }
+
+    /// The 4-bit level of row `i`, element `e`.
+    #[inline]
+    pub fn level(&self, i: usize, e: usize) -> u8 {
+        let (k, t) = (e / 4, e % 4);
+        let byte = self.qs[(k / 2) * 32 + 4 * i + t];
+        if k % 2 == 0 { byte & 0x0f } else { byte >> 4 }
+    }
+}
+
+impl BlockQ8x8 {
+    pub fn pack(values: [&[i8; 32]; 8], d: [[u16; 8]; 2]) -> Self {
+        let mut qs = [0i8; 256];
+        for k in 0..8 {
+            for i in 0..8 {
+                for t in 0..4 {
+                    qs[k * 32 + 4 * i + t] = values[i][4 * k + t];
+                }
+            }
+        }
+        BlockQ8x8 { d, qs }
+    }
+
+    #[inline]
+    pub fn level(&self, i: usize, e: usize) -> i8 {
+        self.qs[(e / 4) * 32 + 4 * i + e % 4]
+    }
+}

@@ -5,7 +5,8 @@ use rayon::prelude::*;
 
 use super::CpuBuffer;
 use super::blocks::{
-    BlockQ4_1, BlockQ8_0, BlockQ8Act, BlockQ8x16, QBLOCK, f32_to_f16, quantize_activations,
+    BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8Act, BlockQ8x8, BlockQ8x16, QBLOCK, f32_to_f16,
+    quantize_activations,
 };
 use super::simd::Kernels;
 use crate::backend::Precision;
@@ -19,6 +20,10 @@ pub enum Rows {
     Q4_1(Vec<BlockQ4_1>),
     Q8_0(Vec<BlockQ8_0>),
     Q8x16(Vec<BlockQ8x16>),
+    /// Groups of eight rows interleaved (`[group][block]`): what the fast kernels use whenever the row
+    /// count is a multiple of eight.
+    Q4_1x8(Vec<BlockQ4_1x8>),
+    Q8x8(Vec<BlockQ8x8>),
 }
 
 /// A group of consecutive output rows stored in one format.
@@ -114,6 +119,11 @@ fn prepare_part(v: &TensorView, precision: Precision) -> Result<Part> {
         (Precision::Fast, DType::Q4_K) => Rows::Q4_1(repack_q4_k(bytes)),
         (Precision::Fast, DType::Q6_K) => Rows::Q8x16(repack_q6_k(bytes)),
         _ => Rows::F32(v.to_f32()),
+    };
+    let data = if rows % 8 == 0 {
+        interleave(data, rows, cols / QBLOCK)
+    } else {
+        data
     };
     Ok(Part { rows, data })
 }
@@ -232,6 +242,27 @@ impl CpuMatrix {
                         }
                     }
                 }
+                Rows::Q4_1x8(b) => {
+                    let (g, i) = (r / 8, r % 8);
+                    for (blk, o) in b[g * nb..(g + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
+                        let (d, m) = (
+                            super::blocks::f16_to_f32(blk.d[i]),
+                            super::blocks::f16_to_f32(blk.m[i]),
+                        );
+                        for (e, oe) in o.iter_mut().enumerate() {
+                            *oe = blk.level(i, e) as f32 * d + m;
+                        }
+                    }
+                }
+                Rows::Q8x8(b) => {
+                    let (g, i) = (r / 8, r % 8);
+                    for (blk, o) in b[g * nb..(g + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
+                        for (e, oe) in o.iter_mut().enumerate() {
+                            *oe = blk.level(i, e) as f32
+                                * super::blocks::f16_to_f32(blk.d[e / 16][i]);
+                        }
+                    }
+                }
                 Rows::Q8x16(b) => {
                     for (blk, o) in b[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
                         for (j, (oj, q)) in o.iter_mut().zip(&blk.qs).enumerate() {
@@ -245,6 +276,41 @@ impl CpuMatrix {
     }
 }
 
+/// Per-row blocks into eight-row groups (`rows` a multiple of 8, `nb` blocks per row).
+fn interleave(data: Rows, rows: usize, nb: usize) -> Rows {
+    let groups = rows / 8;
+    match data {
+        Rows::Q4_1(b) => Rows::Q4_1x8(
+            (0..groups * nb)
+                .map(|gb| {
+                    let (g, blk) = (gb / nb, gb % nb);
+                    BlockQ4_1x8::pack(std::array::from_fn(|i| &b[(8 * g + i) * nb + blk]))
+                })
+                .collect(),
+        ),
+        Rows::Q8_0(b) => Rows::Q8x8(
+            (0..groups * nb)
+                .map(|gb| {
+                    let (g, blk) = (gb / nb, gb % nb);
+                    let r: [&BlockQ8_0; 8] = std::array::from_fn(|i| &b[(8 * g + i) * nb + blk]);
+                    let d = r.map(|x| x.d);
+                    BlockQ8x8::pack(r.map(|x| &x.qs), [d, d])
+                })
+                .collect(),
+        ),
+        Rows::Q8x16(b) => Rows::Q8x8(
+            (0..groups * nb)
+                .map(|gb| {
+                    let (g, blk) = (gb / nb, gb % nb);
+                    let r: [&BlockQ8x16; 8] = std::array::from_fn(|i| &b[(8 * g + i) * nb + blk]);
+                    BlockQ8x8::pack(r.map(|x| &x.qs), [r.map(|x| x.d[0]), r.map(|x| x.d[1])])
+                })
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 fn same_format(a: &Rows, b: &Rows) -> bool {
     matches!(
         (a, b),
@@ -252,6 +318,8 @@ fn same_format(a: &Rows, b: &Rows) -> bool {
             | (Rows::Q4_1(_), Rows::Q4_1(_))
             | (Rows::Q8_0(_), Rows::Q8_0(_))
             | (Rows::Q8x16(_), Rows::Q8x16(_))
+            | (Rows::Q4_1x8(_), Rows::Q4_1x8(_))
+            | (Rows::Q8x8(_), Rows::Q8x8(_))
     )
 }
 
@@ -261,6 +329,8 @@ fn append(a: &mut Rows, b: Rows) {
         (Rows::Q4_1(x), Rows::Q4_1(y)) => x.extend(y),
         (Rows::Q8_0(x), Rows::Q8_0(y)) => x.extend(y),
         (Rows::Q8x16(x), Rows::Q8x16(y)) => x.extend(y),
+        (Rows::Q4_1x8(x), Rows::Q4_1x8(y)) => x.extend(y),
+        (Rows::Q8x8(x), Rows::Q8x8(y)) => x.extend(y),
         _ => unreachable!("append is only called on parts of the same format"),
     }
 }
@@ -339,6 +409,32 @@ pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
                     );
                 }
             }
+            Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
+                let groups = p.rows / 8;
+                let chunk = chunk_rows(groups, n).div_ceil(4).max(1);
+                (0..groups.div_ceil(chunk)).into_par_iter().for_each(|c| {
+                    let op = out_ptr;
+                    let (g0, g1) = (c * chunk, ((c + 1) * chunk).min(groups));
+                    for t in 0..n {
+                        let at = &acts[t * nb..(t + 1) * nb];
+                        for g in g0..g1 {
+                            let vals = match &p.data {
+                                Rows::Q4_1x8(b) => (k.dot8_q4_1)(&b[g * nb..(g + 1) * nb], at),
+                                Rows::Q8x8(b) => (k.dot8_q8)(&b[g * nb..(g + 1) * nb], at),
+                                _ => unreachable!("matched above"),
+                            };
+                            // SAFETY: rows 8g..8g+8 of token t are inside out and owned by this chunk.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    vals.as_ptr(),
+                                    op.0.add(t * out_stride + col0 + 8 * g),
+                                    8,
+                                )
+                            };
+                        }
+                    }
+                });
+            }
             data => {
                 let chunk = chunk_rows(p.rows, n);
                 let n_chunks = p.rows.div_ceil(chunk);
@@ -374,6 +470,9 @@ pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
                                     [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
                                     at,
                                 ),
+                                Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
+                                    unreachable!("handled as groups")
+                                }
                             };
                             for (i, v) in vals.into_iter().enumerate() {
                                 put(r + i, v);
@@ -386,6 +485,9 @@ pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
                                 Rows::Q4_1(b) => (k.dot_q4_1)(&b[r * nb..(r + 1) * nb], at),
                                 Rows::Q8_0(b) => (k.dot_q8_0)(&b[r * nb..(r + 1) * nb], at),
                                 Rows::Q8x16(b) => (k.dot_q8x16)(&b[r * nb..(r + 1) * nb], at),
+                                Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
+                                    unreachable!("handled as groups")
+                                }
                             };
                             put(r, v);
                         }

@@ -4,6 +4,8 @@ mod attention;
 pub mod blocks;
 pub mod matrix;
 pub mod simd;
+#[cfg(target_arch = "x86_64")]
+mod x86_rows8;
 
 use rayon::prelude::*;
 
