@@ -19,7 +19,7 @@ fn run(k: &Kernels, w: &[BlockQ4_1], a: &[BlockQ8Act], nb: usize, passes: usize)
             r += 4;
         }
     }
-    let bytes = (w.len() * std::mem::size_of::<BlockQ4_1>() * passes) as f64;
+    let bytes = (std::mem::size_of_val(w) * passes) as f64;
     (bytes / t.elapsed().as_secs_f64() / 1e9, sink)
 }
 
@@ -33,7 +33,7 @@ fn run8(k: &Kernels, w: &[BlockQ4_1x8], a: &[BlockQ8Act], nb: usize, passes: usi
             sink += v[0] + v[7];
         }
     }
-    let bytes = (w.len() * std::mem::size_of::<BlockQ4_1x8>() * passes) as f64;
+    let bytes = (std::mem::size_of_val(w) * passes) as f64;
     (bytes / t.elapsed().as_secs_f64() / 1e9, sink)
 }
 
