@@ -65,7 +65,7 @@ pub fn attention(
                 .copy_from_slice(&row[q_width + kv_width..q_width + 2 * kv_width]);
         }
     }
-    // 2. One task per (token, head).
+    // 2. One task per (token, KV head): the query heads sharing a KV head read each K/V row once.
     let n_tokens = qkv.rows;
     out.resize(n_tokens, q_width);
     let mut owner = vec![0usize; n_tokens];
@@ -77,45 +77,109 @@ pub fn attention(
     let kv = &*kv;
     let (kc, vc) = &kv.layers[layer];
     let out_ptr = OutPtr(out.data.as_mut_ptr());
-    (0..n_tokens * n_heads).into_par_iter().for_each_init(
-        Vec::new,
-        |scores: &mut Vec<f32>, task| {
-            let op = out_ptr;
-            let (t, h) = (task / n_heads, task % n_heads);
-            let s = &spans[owner[t]];
-            let pos = s.start_pos + (t - s.first_token);
-            let q = &qkv.data[t * qkv.cols + h * head_dim..t * qkv.cols + (h + 1) * head_dim];
-            let kvh = h / group;
-            scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for j in 0..=pos {
-                let slot = kv.slot(s.block_table, j);
-                let kr =
-                    &kc[slot * kv_width + kvh * head_dim..slot * kv_width + (kvh + 1) * head_dim];
-                let v = (k.dot_f32)(q, kr) * scale;
-                max = max.max(v);
-                scores.push(v);
+    let use_avx2 = k.level >= super::SimdLevel::Avx2;
+    (0..n_tokens * n_kv_heads).into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, task| {
+        let op = out_ptr;
+        let (t, kvh) = (task / n_kv_heads, task % n_kv_heads);
+        let s = &spans[owner[t]];
+        let job = Job {
+            q: &qkv.data[t * qkv.cols + kvh * group * head_dim..t * qkv.cols + (kvh + 1) * group * head_dim],
+            kc,
+            vc,
+            kv,
+            table: s.block_table,
+            kv_width,
+            kv_offset: kvh * head_dim,
+            head_dim,
+            group,
+            n_ctx: s.start_pos + (t - s.first_token) + 1,
+            scale,
+        };
+        // SAFETY: each task owns the disjoint `group * head_dim` outputs of (t, kvh).
+        let o = unsafe {
+            std::slice::from_raw_parts_mut(op.0.add(t * q_width + kvh * group * head_dim), group * head_dim)
+        };
+        #[cfg(target_arch = "x86_64")]
+        if use_avx2 {
+            // SAFETY: the kernel level was chosen from detected CPU features.
+            unsafe { attend_avx2(&job, scores, o) };
+            return;
+        }
+        let _ = use_avx2;
+        attend(&job, scores, o);
+    });
+}
+
+/// One (token, KV head) of attention: `group` query heads over `n_ctx` cached positions.
+struct Job<'a> {
+    q: &'a [f32],
+    kc: &'a [f32],
+    vc: &'a [f32],
+    kv: &'a CpuKvStore,
+    table: &'a [u32],
+    kv_width: usize,
+    kv_offset: usize,
+    head_dim: usize,
+    group: usize,
+    n_ctx: usize,
+    scale: f32,
+}
+
+/// 16 independent lanes: the compiler turns this into SIMD without reassociating a reduction.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let n = a.len() / 16 * 16;
+    for (ca, cb) in a[..n].chunks_exact(16).zip(b[..n].chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in n..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[inline(always)]
+fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let (hd, n) = (j.head_dim, j.n_ctx);
+    scores.clear();
+    scores.resize(j.group * n, 0.0);
+    for p in 0..n {
+        let slot = j.kv.slot(j.table, p);
+        let kr = &j.kc[slot * j.kv_width + j.kv_offset..slot * j.kv_width + j.kv_offset + hd];
+        for g in 0..j.group {
+            scores[g * n + p] = dot(&j.q[g * hd..(g + 1) * hd], kr) * j.scale;
+        }
+    }
+    for g in 0..j.group {
+        let sc = &mut scores[g * n..(g + 1) * n];
+        let max = sc.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sum = 0f32;
+        for v in sc.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        sc.iter_mut().for_each(|v| *v *= inv);
+    }
+    out.fill(0.0);
+    for p in 0..n {
+        let slot = j.kv.slot(j.table, p);
+        let vr = &j.vc[slot * j.kv_width + j.kv_offset..slot * j.kv_width + j.kv_offset + hd];
+        for g in 0..j.group {
+            let w = scores[g * n + p];
+            for (o, v) in out[g * hd..(g + 1) * hd].iter_mut().zip(vr) {
+                *o += w * v;
             }
-            let mut sum = 0f32;
-            for v in scores.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            let inv = 1.0 / sum;
-            // SAFETY: each task owns the disjoint `head_dim` values of (t, h).
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(op.0.add(t * q_width + h * head_dim), head_dim)
-            };
-            o.fill(0.0);
-            for (j, p) in scores.iter().enumerate() {
-                let slot = kv.slot(s.block_table, j);
-                let vr =
-                    &vc[slot * kv_width + kvh * head_dim..slot * kv_width + (kvh + 1) * head_dim];
-                let w = p * inv;
-                for (oi, vi) in o.iter_mut().zip(vr) {
-                    *oi += w * vi;
-                }
-            }
-        },
-    );
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    attend(j, scores, out)
 }

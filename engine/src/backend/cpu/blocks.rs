@@ -38,6 +38,8 @@ pub struct BlockQ8Act {
 
 pub const QBLOCK: usize = 32;
 
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
 /// Quantizes one row (`x.len()` a multiple of 32) the way ggml's `quantize_row_q8_1` does.
 pub fn quantize_activations(x: &[f32], out: &mut [BlockQ8Act]) {
     for (xb, ob) in x.chunks_exact(QBLOCK).zip(out.iter_mut()) {
@@ -46,7 +48,9 @@ pub fn quantize_activations(x: &[f32], out: &mut [BlockQ8Act]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
         for (q, v) in ob.qs.iter_mut().zip(xb) {
-            let r = (v * id).round() as i32;
+            // Round to nearest (ties to even) by the 1.5 * 2^23 trick: plain arithmetic that compiles to
+            // SIMD, where `f32::round` is a libm call. |v * id| <= 127, far inside the trick's range.
+            let r = ((v * id + ROUND_MAGIC) - ROUND_MAGIC) as i32;
             *q = r as i8;
             sum += r;
         }
