@@ -70,15 +70,26 @@ fn main() {
         let prompt: Vec<u32> = (0..n_prompt as u32)
             .map(|i| 1000 + (i * 37) % 40000)
             .collect();
-        let opts = GenerateOptions {
-            max_tokens: n_decode,
+        // As llama-bench: prefill is timed on its own, decode starts from a one-token context.
+        let prefill_only = GenerateOptions {
+            max_tokens: 1,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let decode = GenerateOptions {
+            max_tokens: n_decode + 1,
             ignore_eos: true,
             ..Default::default()
         };
         let (mut best_pp, mut best_tg) = (0f64, 0f64);
         for _ in 0..reps {
-            let r = seq.generate(&m, &prompt, &opts, |_| {}).expect("generate");
+            let r = seq
+                .generate(&m, &prompt, &prefill_only, |_| {})
+                .expect("prefill");
             best_pp = best_pp.max(n_prompt as f64 / r.prefill_time.as_secs_f64());
+            let r = seq
+                .generate(&m, &prompt[..1], &decode, |_| {})
+                .expect("decode");
             best_tg = best_tg.max((r.output.len() - 1) as f64 / r.decode_time.as_secs_f64());
         }
         println!(

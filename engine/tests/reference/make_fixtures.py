@@ -43,6 +43,7 @@ The script checks nothing into git; it only writes the JSON files.
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -265,12 +266,14 @@ def chat_prompt_ids(tok, messages):
 
 @torch.no_grad()
 def greedy(model, prompt_ids, sample_ids):
+    # transformers >= 5.2x calls the KV cache `cache`; older versions `past_key_values`.
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     past = None
     inp = torch.tensor([prompt_ids], dtype=torch.long)
     out_ids, margins, logit_rows = [], [], []
     for step in range(NUM_STEPS):
-        out = model(input_ids=inp, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=inp, use_cache=True, **{cache_kw: past})
+        past = getattr(out, cache_kw)
         logits = out.logits[0, -1].float()
         top_vals, top_idx = torch.topk(logits, TOP_K)
         nxt = int(top_idx[0])

@@ -78,36 +78,43 @@ pub fn attention(
     let (kc, vc) = &kv.layers[layer];
     let out_ptr = OutPtr(out.data.as_mut_ptr());
     let use_avx2 = k.level >= super::SimdLevel::Avx2;
-    (0..n_tokens * n_kv_heads).into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, task| {
-        let op = out_ptr;
-        let (t, kvh) = (task / n_kv_heads, task % n_kv_heads);
-        let s = &spans[owner[t]];
-        let job = Job {
-            q: &qkv.data[t * qkv.cols + kvh * group * head_dim..t * qkv.cols + (kvh + 1) * group * head_dim],
-            kc,
-            vc,
-            kv,
-            table: s.block_table,
-            kv_width,
-            kv_offset: kvh * head_dim,
-            head_dim,
-            group,
-            n_ctx: s.start_pos + (t - s.first_token) + 1,
-            scale,
-        };
-        // SAFETY: each task owns the disjoint `group * head_dim` outputs of (t, kvh).
-        let o = unsafe {
-            std::slice::from_raw_parts_mut(op.0.add(t * q_width + kvh * group * head_dim), group * head_dim)
-        };
-        #[cfg(target_arch = "x86_64")]
-        if use_avx2 {
-            // SAFETY: the kernel level was chosen from detected CPU features.
-            unsafe { attend_avx2(&job, scores, o) };
-            return;
-        }
-        let _ = use_avx2;
-        attend(&job, scores, o);
-    });
+    (0..n_tokens * n_kv_heads).into_par_iter().for_each_init(
+        Vec::new,
+        |scores: &mut Vec<f32>, task| {
+            let op = out_ptr;
+            let (t, kvh) = (task / n_kv_heads, task % n_kv_heads);
+            let s = &spans[owner[t]];
+            let job = Job {
+                q: &qkv.data[t * qkv.cols + kvh * group * head_dim
+                    ..t * qkv.cols + (kvh + 1) * group * head_dim],
+                kc,
+                vc,
+                kv,
+                table: s.block_table,
+                kv_width,
+                kv_offset: kvh * head_dim,
+                head_dim,
+                group,
+                n_ctx: s.start_pos + (t - s.first_token) + 1,
+                scale,
+            };
+            // SAFETY: each task owns the disjoint `group * head_dim` outputs of (t, kvh).
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(
+                    op.0.add(t * q_width + kvh * group * head_dim),
+                    group * head_dim,
+                )
+            };
+            #[cfg(target_arch = "x86_64")]
+            if use_avx2 {
+                // SAFETY: the kernel level was chosen from detected CPU features.
+                unsafe { attend_avx2(&job, scores, o) };
+                return;
+            }
+            let _ = use_avx2;
+            attend(&job, scores, o);
+        },
+    );
 }
 
 /// One (token, KV head) of attention: `group` query heads over `n_ctx` cached positions.
@@ -142,18 +149,34 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Calls `f(position, row offset)` for positions `0..n` through the block table, without a division
+/// per position.
+#[inline(always)]
+fn for_each_slot(j: &Job<'_>, mut f: impl FnMut(usize, usize)) {
+    let bs = j.kv.block_size;
+    for (b, &phys) in j.table.iter().enumerate() {
+        let first = b * bs;
+        if first >= j.n_ctx {
+            break;
+        }
+        let base = phys as usize * bs;
+        for i in 0..bs.min(j.n_ctx - first) {
+            f(first + i, (base + i) * j.kv_width + j.kv_offset);
+        }
+    }
+}
+
 #[inline(always)]
 fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let (hd, n) = (j.head_dim, j.n_ctx);
     scores.clear();
     scores.resize(j.group * n, 0.0);
-    for p in 0..n {
-        let slot = j.kv.slot(j.table, p);
-        let kr = &j.kc[slot * j.kv_width + j.kv_offset..slot * j.kv_width + j.kv_offset + hd];
+    for_each_slot(j, |p, off| {
+        let kr = &j.kc[off..off + hd];
         for g in 0..j.group {
             scores[g * n + p] = dot(&j.q[g * hd..(g + 1) * hd], kr) * j.scale;
         }
-    }
+    });
     for g in 0..j.group {
         let sc = &mut scores[g * n..(g + 1) * n];
         let max = sc.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
@@ -166,16 +189,15 @@ fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
         sc.iter_mut().for_each(|v| *v *= inv);
     }
     out.fill(0.0);
-    for p in 0..n {
-        let slot = j.kv.slot(j.table, p);
-        let vr = &j.vc[slot * j.kv_width + j.kv_offset..slot * j.kv_width + j.kv_offset + hd];
+    for_each_slot(j, |p, off| {
+        let vr = &j.vc[off..off + hd];
         for g in 0..j.group {
             let w = scores[g * n + p];
             for (o, v) in out[g * hd..(g + 1) * hd].iter_mut().zip(vr) {
                 *o += w * v;
             }
         }
-    }
+    });
 }
 
 #[cfg(target_arch = "x86_64")]
