@@ -2,10 +2,14 @@
 //! sequence's block table maps its logical blocks to physical ones, so sequences of any length share one
 //! pool without copying.
 
-use rayon::prelude::*;
-
 use super::CpuBuffer;
 use super::simd::Kernels;
+use super::team::Team;
+
+thread_local! {
+    /// Attention scores of the task this thread runs, reused across tasks.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 use crate::backend::SeqSpan;
 
 /// K and V of every layer: `[n_blocks * block_size, kv_width]` each.
@@ -41,6 +45,7 @@ unsafe impl Sync for OutPtr {}
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     k: &Kernels,
+    team: &Team,
     qkv: &CpuBuffer,
     kv: &mut CpuKvStore,
     layer: usize,
@@ -78,33 +83,32 @@ pub fn attention(
     let (kc, vc) = &kv.layers[layer];
     let out_ptr = OutPtr(out.data.as_mut_ptr());
     let use_avx2 = k.level >= super::SimdLevel::Avx2;
-    (0..n_tokens * n_kv_heads).into_par_iter().for_each_init(
-        Vec::new,
-        |scores: &mut Vec<f32>, task| {
-            let op = out_ptr;
-            let (t, kvh) = (task / n_kv_heads, task % n_kv_heads);
-            let s = &spans[owner[t]];
-            let job = Job {
-                q: &qkv.data[t * qkv.cols + kvh * group * head_dim
-                    ..t * qkv.cols + (kvh + 1) * group * head_dim],
-                kc,
-                vc,
-                kv,
-                table: s.block_table,
-                kv_width,
-                kv_offset: kvh * head_dim,
-                head_dim,
-                group,
-                n_ctx: s.start_pos + (t - s.first_token) + 1,
-                scale,
-            };
-            // SAFETY: each task owns the disjoint `group * head_dim` outputs of (t, kvh).
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(
-                    op.0.add(t * q_width + kvh * group * head_dim),
-                    group * head_dim,
-                )
-            };
+    team.run(n_tokens * n_kv_heads, &|task| {
+        let op = out_ptr;
+        let (t, kvh) = (task / n_kv_heads, task % n_kv_heads);
+        let s = &spans[owner[t]];
+        let job = Job {
+            q: &qkv.data[t * qkv.cols + kvh * group * head_dim
+                ..t * qkv.cols + (kvh + 1) * group * head_dim],
+            kc,
+            vc,
+            kv,
+            table: s.block_table,
+            kv_width,
+            kv_offset: kvh * head_dim,
+            head_dim,
+            group,
+            n_ctx: s.start_pos + (t - s.first_token) + 1,
+            scale,
+        };
+        // SAFETY: each task owns the disjoint `group * head_dim` outputs of (t, kvh).
+        let o = unsafe {
+            std::slice::from_raw_parts_mut(
+                op.0.add(t * q_width + kvh * group * head_dim),
+                group * head_dim,
+            )
+        };
+        SCORES.with_borrow_mut(|scores| {
             #[cfg(target_arch = "x86_64")]
             if use_avx2 {
                 // SAFETY: the kernel level was chosen from detected CPU features.
@@ -113,8 +117,8 @@ pub fn attention(
             }
             let _ = use_avx2;
             attend(&job, scores, o);
-        },
-    );
+        });
+    });
 }
 
 /// One (token, KV head) of attention: `group` query heads over `n_ctx` cached positions.

@@ -9,6 +9,7 @@ use super::blocks::{
     quantize_activations,
 };
 use super::simd::Kernels;
+use super::team::Team;
 use crate::backend::Precision;
 use crate::error::{Error, Result};
 use crate::weights::TensorView;
@@ -341,9 +342,12 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+/// Chunks are sized for this many threads; more chunks than threads lets fast threads take more.
+const TEAM_THREADS_HINT: usize = 4;
+
 /// Row chunks per matmul: enough for work stealing to balance, few enough to keep dispatch cheap.
 fn chunk_rows(rows: usize, n_tokens: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = TEAM_THREADS_HINT;
     let target_chunks = if n_tokens > 1 {
         threads * 8
     } else {
@@ -355,7 +359,7 @@ fn chunk_rows(rows: usize, n_tokens: usize) -> usize {
 /// Tokens at or above this count use the blocked f32 GEMM instead of row dot products.
 const GEMM_MIN_TOKENS: usize = 6;
 
-pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
+pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
     let n = x.rows;
     assert_eq!(x.cols, w.cols, "matmul input width");
     out.resize(n, w.rows);
@@ -412,7 +416,7 @@ pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
             Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
                 let groups = p.rows / 8;
                 let chunk = chunk_rows(groups, n).div_ceil(4).max(1);
-                (0..groups.div_ceil(chunk)).into_par_iter().for_each(|c| {
+                team.run(groups.div_ceil(chunk), &|c| {
                     let op = out_ptr;
                     let (g0, g1) = (c * chunk, ((c + 1) * chunk).min(groups));
                     for t in 0..n {
@@ -438,7 +442,7 @@ pub fn matmul(k: &Kernels, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
             data => {
                 let chunk = chunk_rows(p.rows, n);
                 let n_chunks = p.rows.div_ceil(chunk);
-                (0..n_chunks).into_par_iter().for_each(|c| {
+                team.run(n_chunks, &|c| {
                     let op = out_ptr;
                     let r0 = c * chunk;
                     let r1 = (r0 + chunk).min(p.rows);

@@ -4,6 +4,7 @@ mod attention;
 pub mod blocks;
 pub mod matrix;
 pub mod simd;
+pub mod team;
 #[cfg(target_arch = "x86_64")]
 mod x86_rows8;
 
@@ -38,19 +39,33 @@ impl CpuBuffer {
 
 pub struct CpuBackend {
     kernels: Kernels,
+    team: team::Team,
 }
 
 impl CpuBackend {
+    /// The best SIMD level of this CPU, one thread per core.
     pub fn new() -> CpuBackend {
+        Self::with_threads(
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+        )
+    }
+    pub fn with_threads(threads: usize) -> CpuBackend {
         CpuBackend {
             kernels: *Kernels::best(),
+            team: team::Team::new(threads),
         }
     }
     /// A backend that uses one specific SIMD level (tests compare levels).
     pub fn with_level(level: SimdLevel) -> CpuBackend {
         CpuBackend {
             kernels: Kernels::for_level(level),
+            ..Self::new()
         }
+    }
+    pub fn threads(&self) -> usize {
+        self.team.threads()
     }
     pub fn simd_level(&self) -> SimdLevel {
         self.kernels.level
@@ -121,7 +136,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
-        matrix::matmul(&self.kernels, x, w, out);
+        matrix::matmul(&self.kernels, &self.team, x, w, out);
     }
 
     fn add_bias(&self, x: &mut CpuBuffer, bias: &Vec<f32>, col_offset: usize) {
@@ -227,6 +242,7 @@ impl Backend for CpuBackend {
     ) {
         attention::attention(
             &self.kernels,
+            &self.team,
             qkv,
             kv,
             layer,

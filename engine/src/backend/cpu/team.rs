@@ -1,0 +1,212 @@
+//! A small team of worker threads that spin briefly between jobs. A decode step issues ~150 short
+//! parallel loops; waking sleeping threads for each (what a general-purpose pool does after a few
+//! microseconds idle) costs more than the loop. Workers spin, then yield, then sleep, so an idle server
+//! does not burn CPU.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// One parallel loop, on the dispatching thread's stack.
+struct Job {
+    f: *const (dyn Fn(usize) + Sync),
+    n_tasks: usize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+}
+
+#[derive(Clone, Copy)]
+struct JobPtr(*const Job);
+// SAFETY: a JobPtr is only dereferenced while the dispatcher keeps the Job alive (see `run`).
+unsafe impl Send for JobPtr {}
+
+struct Shared {
+    epoch: AtomicU64,
+    /// The current job, present only while its dispatcher is inside `run`.
+    slot: Mutex<Option<(u64, JobPtr)>>,
+    /// Workers that took the current job and have not finished with it.
+    active: AtomicUsize,
+    sleeping: AtomicUsize,
+    wake: Condvar,
+    shutdown: AtomicBool,
+}
+
+pub struct Team {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Serialises dispatchers: one job at a time.
+    dispatch: Mutex<()>,
+}
+
+/// How long an idle worker spins, then yields, before it sleeps.
+const SPIN_FOR: Duration = Duration::from_micros(200);
+const YIELD_FOR: Duration = Duration::from_millis(5);
+
+impl Team {
+    /// A team of `threads` in all: the dispatching thread plus `threads - 1` workers.
+    pub fn new(threads: usize) -> Team {
+        let shared = Arc::new(Shared {
+            epoch: AtomicU64::new(0),
+            slot: Mutex::new(None),
+            active: AtomicUsize::new(0),
+            sleeping: AtomicUsize::new(0),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+        });
+        let workers = (1..threads.max(1))
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("kiln-cpu-{i}"))
+                    .spawn(move || worker(&s))
+                    .expect("spawning a CPU worker thread")
+            })
+            .collect();
+        Team {
+            shared,
+            workers,
+            dispatch: Mutex::new(()),
+        }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `f(i)` for every `i` in `0..n_tasks` across the team; returns when all are done.
+    pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        if n_tasks == 0 {
+            return;
+        }
+        if n_tasks == 1 || self.workers.is_empty() {
+            (0..n_tasks).for_each(f);
+            return;
+        }
+        let _one_at_a_time = self.dispatch.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the lifetime is erased only for the duration of this call: the job leaves the slot and
+        // every worker holding it has finished before `run` returns.
+        let f: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
+        let job = Job {
+            f,
+            n_tasks,
+            next: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+        };
+        let s = &*self.shared;
+        let epoch = s.epoch.load(Ordering::Relaxed) + 1;
+        *s.slot.lock().unwrap_or_else(|e| e.into_inner()) = Some((epoch, JobPtr(&job)));
+        s.epoch.store(epoch, Ordering::Release);
+        if s.sleeping.load(Ordering::Acquire) > 0 {
+            // Under the lock, so no worker is between its epoch check and its wait.
+            let _guard = s.slot.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        work_on(&job);
+        while job.done.load(Ordering::Acquire) < n_tasks {
+            std::hint::spin_loop();
+        }
+        *s.slot.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        while s.active.load(Ordering::Acquire) > 0 {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+fn work_on(job: &Job) {
+    loop {
+        let i = job.next.fetch_add(1, Ordering::Relaxed);
+        if i >= job.n_tasks {
+            return;
+        }
+        // SAFETY: the closure outlives the job (see `Team::run`).
+        unsafe { (*job.f)(i) };
+        job.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+fn worker(s: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        let idle_since = Instant::now();
+        loop {
+            if s.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            if s.epoch.load(Ordering::Acquire) != seen {
+                break;
+            }
+            let idle = idle_since.elapsed();
+            if idle < SPIN_FOR {
+                std::hint::spin_loop();
+            } else if idle < YIELD_FOR {
+                std::thread::yield_now();
+            } else {
+                let guard = s.slot.lock().unwrap_or_else(|e| e.into_inner());
+                s.sleeping.fetch_add(1, Ordering::AcqRel);
+                if s.epoch.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Acquire) {
+                    let _ = s.wake.wait_timeout(guard, Duration::from_millis(50));
+                }
+                s.sleeping.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        seen = s.epoch.load(Ordering::Acquire);
+        let job = {
+            let slot = s.slot.lock().unwrap_or_else(|e| e.into_inner());
+            match *slot {
+                Some((_, p)) => {
+                    s.active.fetch_add(1, Ordering::AcqRel);
+                    Some(p)
+                }
+                None => None,
+            }
+        };
+        if let Some(JobPtr(p)) = job {
+            // SAFETY: `active` was raised under the slot lock while the job was published, so the
+            // dispatcher waits for this worker before the job goes out of scope.
+            work_on(unsafe { &*p });
+            s.active.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for Team {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.wake.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_exactly_once_across_many_jobs() {
+        let team = Team::new(3);
+        for n in [0usize, 1, 2, 7, 64, 1000] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            team.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "n = {n}"
+            );
+        }
+    }
+
+    #[test]
+    fn works_after_workers_fell_asleep() {
+        let team = Team::new(2);
+        std::thread::sleep(YIELD_FOR + Duration::from_millis(20));
+        let sum = AtomicUsize::new(0);
+        team.run(100, &|i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 4950);
+    }
+}
