@@ -2,7 +2,7 @@
 //! default model, in both precision modes, plus the weight-bandwidth roofline for decode.
 //!
 //! Options (env, since cargo bench passes no flags through cleanly): KILN_BENCH_MODEL=path,
-//! KILN_BENCH_PROMPT=512, KILN_BENCH_DECODE=128, KILN_BENCH_MODES=fast,exact, KILN_BENCH_REPS=3.
+//! KILN_BENCH_PROMPT=512, KILN_BENCH_DECODE=128, KILN_BENCH_MODES=fast,exact, KILN_BENCH_REPS=3, KILN_BENCH_THREADS=n (default: all cores).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -55,7 +55,7 @@ fn main() {
         "model {} ({:.1} MB), {} threads, read bandwidth {:.1} GB/s -> decode roofline {:.0} tok/s",
         model.display(),
         weight_bytes / 1e6,
-        rayon::current_num_threads(),
+        std::env::var("KILN_BENCH_THREADS").unwrap_or_else(|_| "all".into()),
         bw,
         bw * 1e9 / weight_bytes
     );
@@ -64,7 +64,11 @@ fn main() {
             "exact" => Precision::Exact,
             _ => Precision::Fast,
         };
-        let m = load_model(CpuBackend::new(), &model, precision, |_, _| {}).expect("load");
+        let backend = match std::env::var("KILN_BENCH_THREADS").ok().and_then(|v| v.parse().ok()) {
+            Some(t) => CpuBackend::with_threads(t),
+            None => CpuBackend::new(),
+        };
+        let m = load_model(backend, &model, precision, |_, _| {}).expect("load");
         let mut seq = SingleSequence::new(&m, n_prompt + n_decode + 1);
         // Prompt ids cycle through ordinary vocabulary; the content does not change the work.
         let prompt: Vec<u32> = (0..n_prompt as u32)

@@ -16,6 +16,6 @@ for round in $(seq "$ROUNDS"); do
   echo "== round $round"
   "$LLAMA_BENCH" -m "$MODEL" -t "$THREADS" -p 512 -n 128 -r 2 -o md 2>/dev/null | grep -E 'pp512|tg128' |
     awk -F'|' '{gsub(/ /,"",$7); gsub(/^ +| +$/,"",$8); print "llama.cpp " $7 ": " $8 " tok/s"}'
-  RAYON_NUM_THREADS=$THREADS KILN_BENCH_MODEL=$MODEL KILN_BENCH_MODES=fast KILN_BENCH_REPS=2 \
+  RAYON_NUM_THREADS=$THREADS KILN_BENCH_THREADS=$THREADS KILN_BENCH_MODEL=$MODEL KILN_BENCH_MODES=fast KILN_BENCH_REPS=2 \
     cargo bench --bench engine 2>/dev/null | grep -E 'fast:' | sed 's/^/kiln /'
 done

@@ -77,7 +77,11 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default(),
     );
-    let m = load_model(CpuBackend::new(), &path, a.mode, |done, total| {
+    let backend = match a.threads {
+        Some(t) => CpuBackend::with_threads(t.max(1)),
+        None => CpuBackend::new(),
+    };
+    let m = load_model(backend, &path, a.mode, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     })?;
