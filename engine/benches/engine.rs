@@ -19,14 +19,19 @@ fn env_usize(key: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// Sustained read bandwidth of this machine (GB/s): sums a buffer far larger than the caches.
+/// Sustained read bandwidth of this machine (GB/s), all cores: sums a buffer far larger than the
+/// caches.
 fn read_bandwidth() -> f64 {
-    let n = 256 << 20;
+    use rayon::prelude::*;
+    let n = 512 << 20;
     let buf = vec![1u64; n / 8];
     let mut best = 0f64;
     for _ in 0..3 {
         let t = Instant::now();
-        let s: u64 = buf.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+        let s: u64 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
+            .reduce(|| 0, u64::wrapping_add);
         std::hint::black_box(s);
         best = best.max(n as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
