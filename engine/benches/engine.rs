@@ -69,7 +69,10 @@ fn main() {
             "exact" => Precision::Exact,
             _ => Precision::Fast,
         };
-        let backend = match std::env::var("KILN_BENCH_THREADS").ok().and_then(|v| v.parse().ok()) {
+        let backend = match std::env::var("KILN_BENCH_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
             Some(t) => CpuBackend::with_threads(t),
             None => CpuBackend::new(),
         };

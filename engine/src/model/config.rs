@@ -161,7 +161,12 @@ impl ModelConfig {
             .unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
         let mut llama3_scaling = None;
         let mut rope_linear_factor = 1.0;
-        if let Some(s) = &c.rope_scaling {
+        let rope = c.rope_scaling.as_ref().or(c.rope_parameters.as_ref());
+        let rope_theta = c
+            .rope_theta
+            .or(c.rope_parameters.as_ref().and_then(|p| p.rope_theta))
+            .unwrap_or(10_000.0);
+        if let Some(s) = rope {
             let kind = s
                 .rope_type
                 .as_deref()
@@ -199,7 +204,7 @@ impl ModelConfig {
             rope_dim: head_dim,
             vocab_size: c.vocab_size,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta: c.rope_theta.unwrap_or(10_000.0),
+            rope_theta,
             rope_layout: RopeLayout::HalfSplit,
             llama3_scaling,
             rope_linear_factor,
@@ -258,6 +263,8 @@ struct HfRopeScaling {
     #[serde(rename = "type")]
     kind: Option<String>,
     factor: Option<f32>,
+    /// transformers >= 5 nests the base frequency here (`rope_parameters.rope_theta`).
+    rope_theta: Option<f32>,
     low_freq_factor: Option<f32>,
     high_freq_factor: Option<f32>,
     original_max_position_embeddings: Option<usize>,
@@ -277,6 +284,8 @@ struct HfConfig {
     rms_norm_eps: Option<f32>,
     rope_theta: Option<f32>,
     rope_scaling: Option<HfRopeScaling>,
+    /// transformers >= 5 writes `rope_parameters` in place of `rope_theta` + `rope_scaling`.
+    rope_parameters: Option<HfRopeScaling>,
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,

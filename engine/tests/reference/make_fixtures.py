@@ -103,32 +103,29 @@ def total_price(items):
 '''
 
 # Candidate prompts, grouped by the role they fill.  For every group the first candidate whose
-# min margin over all 40 steps is > MIN_MARGIN is kept; the first candidate that fails (over all
-# groups) is kept as the single "near_tie" case.
+# min margin (top1 - top2 logit) over all 40 steps is > MIN_MARGIN is kept.  The candidates were
+# screened against both models (the first of each group passes for both with transformers 5.24);
+# the others are fallbacks.  The first candidate that fails (normally one of NEAR_TIE_CANDIDATES)
+# is kept as the single "near_tie" case.
 CHAT_GROUPS = [
     ("question", [
-        ("chat_capital", [{"role": "user", "content": "What is the capital of France?"}]),
-        ("chat_sky", [{"role": "user", "content": "Why is the sky blue? Answer in two sentences."}]),
-        ("chat_planets", [{"role": "user", "content": "How many planets are in the solar system?"}]),
-        ("chat_fruits", [{"role": "user", "content": "Name three fruits that are red."}]),
-        ("chat_water", [{"role": "user", "content": "What is water made of?"}]),
+        ("chat_water_boils", [{"role": "user", "content": "At what temperature does water boil?"}]),
+        ("chat_days_of_week", [{"role": "user", "content": "What are the days of the week?"}]),
+        ("chat_two_plus_two", [{"role": "user", "content": "What is 2 + 2?"}]),
+        ("chat_capital_germany", [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of Germany?"},
+        ]),
     ]),
     ("code", [
-        ("chat_code_prime", [
-            {"role": "system", "content": "You are a helpful coding assistant."},
-            {"role": "user", "content": "Write a Python function that checks whether a number is prime."},
-        ]),
-        ("chat_code_reverse", [{"role": "user", "content": "Write a Python function that reverses a string."}]),
-        ("chat_code_factorial", [{"role": "user", "content": "Write a function in Python to compute the factorial of n."}]),
-        ("chat_code_sum", [{"role": "user", "content": "Show me Python code that sums a list of numbers."}]),
+        ("chat_code_is_prime", [{"role": "user", "content": "Write a Python function is_prime(n) that returns True if n is prime."}]),
+        ("chat_code_hello_world", [{"role": "user", "content": "Write a Python program that prints Hello, World!"}]),
     ]),
     ("long", [
-        ("chat_long_summary", [{"role": "user", "content": LONG_TEXT + "\n\nSummarize the text above in one sentence."}]),
-        ("chat_long_multiturn", [
-            {"role": "system", "content": "You are a friendly assistant who answers briefly."},
-            {"role": "user", "content": LONG_TEXT},
-            {"role": "assistant", "content": "That is an interesting history of bread. What would you like to know?"},
-            {"role": "user", "content": "When was leavened bread first made, and where?"},
+        ("chat_long_repeat", [{"role": "user", "content": "Repeat the following text exactly:\n\n" + LONG_TEXT}]),
+        ("chat_long_system_count", [
+            {"role": "system", "content": "You are a careful assistant. " + LONG_TEXT},
+            {"role": "user", "content": "Count from 1 to 30, separated by commas."},
         ]),
         ("chat_long_question", [{"role": "user", "content": LONG_TEXT + "\n\nWho sold the first bread-slicing machine?"}]),
     ]),
@@ -136,19 +133,22 @@ CHAT_GROUPS = [
 
 RAW_GROUPS = [
     ("code", [
-        ("raw_python_fib", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+        ("raw_python_imports", "import numpy as np\nimport pandas as pd\nimport matplotlib.pyplot as plt\n\n"),
+        ("raw_python_fib", "def fibonacci(n):\n    if n < 2:\n        return n\n"),
+        ("raw_python_fib_doc", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
         ("raw_python_items", LONG_CODE),
-        ("raw_python_sort", "def bubble_sort(arr):\n    n = len(arr)\n"),
-        ("raw_rust_main", "fn main() {\n    let numbers = vec![1, 2, 3, 4, 5];\n"),
-        ("raw_python_class", "class Stack:\n    def __init__(self):\n"),
     ]),
     ("text", [
-        ("raw_story", "Once upon a time, in a small village by the sea, there lived"),
-        ("raw_colors", "The three primary colors are"),
-        ("raw_paris", "Paris is the capital of France. It is known for"),
-        ("raw_list", "Here is a list of the days of the week:\n1. Monday\n2."),
-        ("raw_count", "One, two, three, four, five,"),
+        ("raw_counting", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"),
+        ("raw_mit_license", "Permission is hereby granted, free of charge, to any person obtaining a copy"),
+        ("raw_number_words", "one two three four five six seven"),
     ]),
+]
+
+NEAR_TIE_CANDIDATES = [
+    ("chat_capital_france", [{"role": "user", "content": "What is the capital of France?"}]),
+    ("chat_capital_one_word", [{"role": "user", "content": "What is the capital of France? Answer with one word."}]),
+    ("chat_sky_color", [{"role": "user", "content": "What color is the sky on a clear day?"}]),
 ]
 
 TOKENIZER_TEXTS = [
@@ -334,6 +334,14 @@ def make_greedy(stem, fname, model_dir, tok, model):
         cases.append(run_group(label, cands, make_chat))
     for label, cands in RAW_GROUPS:
         cases.append(run_group(label, cands, make_raw))
+    for name, messages in NEAR_TIE_CANDIDATES:
+        if near_tie is not None:
+            break
+        prompt, prompt_ids, extra = make_chat(messages)
+        case, mm = run_case(name, prompt, prompt_ids, extra)
+        if mm <= MIN_MARGIN:
+            case["near_tie"] = True
+            near_tie = case
     if near_tie is not None:
         cases.append(near_tie)
     assert max(len(c["prompt_ids"]) for c in cases) >= 100
