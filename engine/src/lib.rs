@@ -2,16 +2,20 @@
 //!
 //! Layers, from the bottom: `weights` (GGUF and safetensors readers), `backend` (the op trait and its
 //! CPU implementation), `model` (the Llama family over any backend), `kv_cache` (paged block
-//! bookkeeping), `tokenizer`, `sampling`, and `generate` (a single-sequence driver).
+//! bookkeeping), `tokenizer`, `sampling`, `generate` (a single-sequence driver), `batching` (the continuous-batching
+//! scheduler and engine thread), `metrics`, and `server` (the OpenAI-compatible HTTP server).
 
 pub mod backend;
+pub mod batching;
 pub mod catalog;
 pub mod error;
 pub mod generate;
 pub mod kv_cache;
 pub mod load;
+pub mod metrics;
 pub mod model;
 pub mod sampling;
+pub mod server;
 pub mod tokenizer;
 pub mod weights;
 

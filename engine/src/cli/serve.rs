@@ -1,0 +1,231 @@
+//! `kiln serve`: flags, an optional TOML config file (`--config`, keys named like the flags), and
+//! systemd's environment. Flags win over the file; the file wins over the defaults.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use kiln::backend::Precision;
+use kiln::catalog::DEFAULT_MODEL;
+use kiln::server::state::ServeOptions;
+use serde::Deserialize;
+
+#[derive(clap::Args, Deserialize, Default, Debug, Clone)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ServeArgs {
+    /// TOML file with any of these settings (keys as the flag names, e.g. `max-running = 32`).
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// A .gguf file or a Hugging Face model directory [default: SmolLM2-135M-Instruct from the cache].
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The model id clients send and /v1/models lists [default: the file name without .gguf].
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Address to bind [default: 127.0.0.1; use 0.0.0.0 to listen on every interface].
+    #[arg(long)]
+    host: Option<String>,
+    /// TCP port [default: 8000].
+    #[arg(long)]
+    port: Option<u16>,
+    /// Require `Authorization: Bearer KEY` on the API routes (also $KILN_API_KEY).
+    #[arg(long, env = "KILN_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Read the API key from this file (first line), e.g. a systemd credential.
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// exact: f32 weights and arithmetic; fast: quantized weights and activations [default: fast].
+    #[arg(long, value_enum)]
+    mode: Option<Precision>,
+    /// Compute threads [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// KV cache size in tokens, shared by all running sequences [default: 32768].
+    #[arg(long)]
+    kv_tokens: Option<usize>,
+    /// Tokens per KV block [default: 16].
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Sequences batched in one step, at most [default: 64].
+    #[arg(long)]
+    max_running: Option<usize>,
+    /// Tokens per step, at most: decode tokens plus chunked-prefill tokens [default: 512].
+    #[arg(long)]
+    max_step_tokens: Option<usize>,
+    /// Longest prompt + completion [default: the model's context, capped by --kv-tokens].
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Requests running or waiting before new ones get 429 [default: 256].
+    #[arg(long)]
+    max_queue: Option<usize>,
+    /// Largest request body in bytes [default: 4194304].
+    #[arg(long)]
+    max_body_bytes: Option<usize>,
+    /// Largest `n` (choices per request) [default: 16].
+    #[arg(long)]
+    max_n: Option<usize>,
+    /// Seconds to let in-flight requests finish after SIGTERM [default: 30].
+    #[arg(long)]
+    shutdown_timeout: Option<u64>,
+    /// The `instance` label on every metric [default: HOST:PORT].
+    #[arg(long)]
+    instance: Option<String>,
+    /// Detokenize on the engine thread instead of alongside the next step (for comparison).
+    #[arg(long)]
+    #[serde(default)]
+    no_overlap: bool,
+    /// Model cache directory (see `kiln fetch --help`).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+}
+
+fn read_config(path: &Path) -> anyhow::Result<ServeArgs> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// `self` with unset fields taken from `file`.
+fn merge(flags: ServeArgs, file: ServeArgs) -> ServeArgs {
+    ServeArgs {
+        config: flags.config,
+        model: flags.model.or(file.model),
+        served_model_name: flags.served_model_name.or(file.served_model_name),
+        host: flags.host.or(file.host),
+        port: flags.port.or(file.port),
+        api_key: flags.api_key.or(file.api_key),
+        api_key_file: flags.api_key_file.or(file.api_key_file),
+        mode: flags.mode.or(file.mode),
+        threads: flags.threads.or(file.threads),
+        kv_tokens: flags.kv_tokens.or(file.kv_tokens),
+        block_size: flags.block_size.or(file.block_size),
+        max_running: flags.max_running.or(file.max_running),
+        max_step_tokens: flags.max_step_tokens.or(file.max_step_tokens),
+        max_model_len: flags.max_model_len.or(file.max_model_len),
+        max_queue: flags.max_queue.or(file.max_queue),
+        max_body_bytes: flags.max_body_bytes.or(file.max_body_bytes),
+        max_n: flags.max_n.or(file.max_n),
+        shutdown_timeout: flags.shutdown_timeout.or(file.shutdown_timeout),
+        instance: flags.instance.or(file.instance),
+        no_overlap: flags.no_overlap || file.no_overlap,
+        cache_dir: flags.cache_dir.or(file.cache_dir),
+    }
+}
+
+fn positive(name: &str, v: Option<usize>, default: usize) -> anyhow::Result<usize> {
+    match v {
+        Some(0) => anyhow::bail!("--{name} must be at least 1"),
+        Some(x) => Ok(x),
+        None => Ok(default),
+    }
+}
+
+fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
+    let model_path = match &a.model {
+        Some(p) => p.clone(),
+        None => DEFAULT_MODEL.require(&super::cache_dir(a.cache_dir.clone()))?,
+    };
+    let api_key = match (&a.api_key, &a.api_key_file) {
+        (Some(_), Some(_)) => anyhow::bail!("give --api-key or --api-key-file, not both"),
+        (Some(k), None) => Some(k.clone()),
+        (None, Some(f)) => {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("reading the API key file {}", f.display()))?;
+            let key = text.lines().next().unwrap_or("").trim().to_string();
+            anyhow::ensure!(
+                !key.is_empty(),
+                "{}: the API key file is empty",
+                f.display()
+            );
+            Some(key)
+        }
+        (None, None) => None,
+    };
+    if let Some(k) = &api_key {
+        anyhow::ensure!(!k.is_empty(), "--api-key must not be empty");
+    }
+    let host = a.host.clone().unwrap_or_else(|| "127.0.0.1".into());
+    let port = a.port.unwrap_or(8000);
+    let block_size = positive("block-size", a.block_size, 16)?;
+    let kv_tokens = positive("kv-tokens", a.kv_tokens, 32768)?;
+    anyhow::ensure!(
+        kv_tokens >= block_size,
+        "--kv-tokens ({kv_tokens}) must hold at least one block ({block_size})"
+    );
+    let watchdog = std::env::var("WATCHDOG_USEC")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&us| us > 0)
+        .map(Duration::from_micros);
+    Ok(ServeOptions {
+        model_path,
+        served_model_name: a.served_model_name.clone(),
+        instance: a
+            .instance
+            .clone()
+            .unwrap_or_else(|| format!("{host}:{port}")),
+        host,
+        port,
+        api_key,
+        precision: a.mode.unwrap_or_default(),
+        threads: a.threads,
+        kv_tokens,
+        block_size,
+        max_running: positive("max-running", a.max_running, 64)?,
+        max_step_tokens: positive("max-step-tokens", a.max_step_tokens, 512)?,
+        max_model_len: a.max_model_len,
+        max_queue: positive("max-queue", a.max_queue, 256)?,
+        max_body_bytes: positive("max-body-bytes", a.max_body_bytes, 4 << 20)?,
+        max_n: positive("max-n", a.max_n, 16)?,
+        shutdown_timeout: Duration::from_secs(a.shutdown_timeout.unwrap_or(30)),
+        overlap: !a.no_overlap,
+        notify_socket: std::env::var_os("NOTIFY_SOCKET").map(PathBuf::from),
+        watchdog,
+    })
+}
+
+pub fn run(flags: ServeArgs) -> anyhow::Result<()> {
+    let args = match &flags.config {
+        Some(path) => {
+            let file = read_config(path)?;
+            merge(flags.clone(), file)
+        }
+        None => flags,
+    };
+    let opts = resolve(args)?;
+    if let Some(t) = opts.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t.max(1))
+            .build_global()
+            .context("setting up worker threads")?;
+    }
+    // HTTP, JSON and detokenization need little CPU; the compute threads need the cores.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(kiln::server::run(opts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_win_over_the_file_and_unknown_keys_are_errors() {
+        let file: ServeArgs =
+            toml::from_str("port = 9000\nmax-running = 8\nhost = \"0.0.0.0\"").expect("parse");
+        let flags = ServeArgs {
+            port: Some(9100),
+            ..Default::default()
+        };
+        let m = merge(flags, file);
+        assert_eq!(m.port, Some(9100));
+        assert_eq!(m.max_running, Some(8));
+        assert_eq!(m.host.as_deref(), Some("0.0.0.0"));
+        let err = toml::from_str::<ServeArgs>("max-runing = 8").expect_err("unknown key");
+        assert!(err.to_string().contains("max-runing"), "{err}");
+    }
+}

@@ -1,0 +1,162 @@
+//! Prometheus metrics (`kiln_*`), shared by the HTTP side and the engine thread. Every series carries
+//! the `model` and `instance` labels; the registry is served at `/metrics` in the OpenMetrics text
+//! format, already while the model loads.
+
+use std::borrow::Cow;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// The route (`/v1/chat/completions`, ...).
+    pub endpoint: String,
+    /// The HTTP status answered, or `aborted` when the client went away mid-stream.
+    pub status: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub kv_blocks_used: Gauge,
+    pub kv_blocks_total: Gauge,
+    pub preemptions: Counter,
+    pub ttft: Histogram,
+    pub inter_token: Histogram,
+    pub e2e: Histogram,
+    pub step_time: Histogram,
+    pub batch_size: Histogram,
+    pub batch_tokens: Histogram,
+    /// 1 once the model is loaded and warmed up.
+    pub ready: Gauge,
+}
+
+impl Metrics {
+    pub fn new(model: &str, instance: &str) -> Metrics {
+        let labels = [
+            (Cow::Borrowed("model"), Cow::Owned(model.to_string())),
+            (Cow::Borrowed("instance"), Cow::Owned(instance.to_string())),
+        ];
+        let mut r = Registry::with_prefix_and_labels("kiln", labels.into_iter());
+        let latency = || Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        let m = Metrics {
+            requests: Family::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            kv_blocks_used: Gauge::default(),
+            kv_blocks_total: Gauge::default(),
+            preemptions: Counter::default(),
+            ttft: latency(),
+            inter_token: latency(),
+            e2e: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            step_time: latency(),
+            batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
+            batch_tokens: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
+            ready: Gauge::default(),
+            registry: Registry::default(),
+        };
+        r.register(
+            "requests",
+            "HTTP requests answered, by endpoint and status",
+            m.requests.clone(),
+        );
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of admitted requests",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "generation_tokens",
+            "Tokens generated",
+            m.generation_tokens.clone(),
+        );
+        r.register(
+            "running_requests",
+            "Sequences in the running batch",
+            m.running.clone(),
+        );
+        r.register(
+            "waiting_requests",
+            "Sequences waiting for admission",
+            m.waiting.clone(),
+        );
+        r.register(
+            "kv_blocks_used",
+            "KV cache blocks in use",
+            m.kv_blocks_used.clone(),
+        );
+        r.register(
+            "kv_blocks_total",
+            "KV cache blocks in the pool",
+            m.kv_blocks_total.clone(),
+        );
+        r.register(
+            "preemptions",
+            "Sequences that lost their KV cache and recompute",
+            m.preemptions.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "Arrival to first generated token",
+            m.ttft.clone(),
+        );
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between consecutive tokens of one request",
+            m.inter_token.clone(),
+        );
+        r.register(
+            "e2e_request_latency_seconds",
+            "Arrival to last token",
+            m.e2e.clone(),
+        );
+        r.register(
+            "step_duration_seconds",
+            "One engine step: schedule, forward, sample",
+            m.step_time.clone(),
+        );
+        r.register(
+            "batch_size",
+            "Sequences per engine step",
+            m.batch_size.clone(),
+        );
+        r.register(
+            "batch_tokens",
+            "Tokens per engine step",
+            m.batch_tokens.clone(),
+        );
+        r.register(
+            "model_ready",
+            "1 once the model is loaded and warmed up",
+            m.ready.clone(),
+        );
+        Metrics { registry: r, ..m }
+    }
+
+    pub fn count_request(&self, endpoint: &str, status: &str) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                endpoint: endpoint.to_string(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

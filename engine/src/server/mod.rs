@@ -1,0 +1,253 @@
+//! `kiln serve`: the OpenAI-compatible HTTP server around the continuous-batching engine.
+//!
+//! Start-up order, as systemd and load balancers expect: bind the port (so `/health` and
+//! `/metrics` answer at once), load the model on a blocking thread with `STATUS=` progress, warm
+//! it up with one real generation, then `READY=1` and `/ready` turns 200. On SIGTERM/SIGINT:
+//! `STOPPING=1`, new generation requests get 503, in-flight ones finish (up to the shutdown
+//! timeout), exit 0.
+
+pub mod auth;
+pub mod error;
+pub mod generation;
+pub mod protocol;
+pub mod routes;
+pub mod sse;
+pub mod state;
+pub mod stop;
+pub mod systemd;
+pub mod validate;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::middleware;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use tokio::net::TcpListener;
+
+use crate::backend::cpu::CpuBackend;
+use crate::batching::{self, EngineConfig, EngineRequest, Event, RequestParams};
+use crate::load::load_model;
+use crate::metrics::Metrics;
+use crate::sampling::SamplingParams;
+use error::ApiError;
+use state::{AppState, Ready, ServeOptions, Shared, unix_now};
+use systemd::Notifier;
+
+/// The route table.
+pub fn router(state: Shared) -> Router {
+    let limit = state.opts.max_body_bytes;
+    let api = Router::new()
+        .route("/v1/completions", post(routes::completions::handle))
+        .route("/v1/chat/completions", post(routes::chat::handle))
+        .route("/v1/models", get(routes::info::models))
+        .route("/model_info", get(routes::info::model_info))
+        .route("/tokenize", post(routes::info::tokenize))
+        .route("/detokenize", post(routes::info::detokenize))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ));
+    let open = Router::new()
+        .route("/health", get(routes::health::health))
+        .route("/ready", get(routes::health::ready))
+        .route("/metrics", get(routes::health::metrics));
+    api.merge(open)
+        .fallback(|| async { ApiError::not_found("Unknown route").into_response() })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed().into_response() })
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+fn model_id(opts: &ServeOptions) -> String {
+    opts.served_model_name.clone().unwrap_or_else(|| {
+        opts.model_path
+            .file_name()
+            .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
+            .unwrap_or_else(|| "model".into())
+    })
+}
+
+pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
+    let notifier = Notifier::new(opts.notify_socket.clone());
+    let id = model_id(&opts);
+    let metrics = Arc::new(Metrics::new(&id, &opts.instance));
+    let addr = format!("{}:{}", opts.host, opts.port);
+    let listener = TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr().context("reading the bound address")?;
+    let state: Shared = Arc::new(AppState {
+        opts: opts.clone(),
+        metrics: metrics.clone(),
+        ready: Default::default(),
+        draining: Default::default(),
+    });
+    eprintln!(
+        "kiln: listening on http://{local} (loading {})",
+        opts.model_path.display()
+    );
+    notifier.status("loading the model");
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, router(state.clone()))
+        .with_graceful_shutdown(async {
+            let _ = stop_rx.await;
+        })
+        .into_future();
+    let server = tokio::spawn(server);
+    if let Some(period) = opts.watchdog {
+        tokio::spawn(watchdog(state.clone(), notifier.clone(), period));
+    }
+
+    let startup = start_engine(state.clone(), id, notifier.clone());
+    tokio::select! {
+        r = startup => {
+            r?;
+            notifier.ready();
+            eprintln!("kiln: ready on http://{local}");
+            shutdown_signal().await;
+        }
+        _ = shutdown_signal() => {}
+    }
+    state.draining.store(true, Ordering::SeqCst);
+    notifier.stopping();
+    eprintln!(
+        "kiln: draining (up to {}s)",
+        opts.shutdown_timeout.as_secs()
+    );
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(opts.shutdown_timeout, server).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!("server: {e}"),
+        Ok(Err(e)) => tracing::warn!("server task: {e}"),
+        Err(_) => eprintln!("kiln: shutdown timeout reached; closing remaining connections"),
+    }
+    Ok(())
+}
+
+/// Loads the model, starts the engine thread, warms it up with one generation, and publishes it.
+async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> anyhow::Result<()> {
+    let opts = state.opts.clone();
+    let n2 = notifier.clone();
+    let model = tokio::task::spawn_blocking(move || {
+        let backend = match opts.threads {
+            Some(t) => CpuBackend::with_threads(t.max(1)),
+            None => CpuBackend::new(),
+        };
+        let mut last = 0;
+        load_model(backend, &opts.model_path, opts.precision, |done, total| {
+            if done != last {
+                last = done;
+                n2.status(&format!("loading layer {done}/{total}"));
+            }
+        })
+    })
+    .await
+    .context("the loading thread failed")?
+    .with_context(|| format!("loading {}", state.opts.model_path.display()))?;
+    let model = Arc::new(model);
+    let opts = &state.opts;
+    let context = model.config().max_context;
+    let max_model_len = opts
+        .max_model_len
+        .unwrap_or(context)
+        .min(context)
+        .min(opts.kv_tokens);
+    if opts.kv_tokens < opts.max_model_len.unwrap_or(context).min(context) {
+        tracing::warn!("max_model_len capped at {max_model_len} tokens by the KV cache size");
+    }
+    let cfg = EngineConfig {
+        block_size: opts.block_size,
+        kv_tokens: opts.kv_tokens,
+        max_running: opts.max_running,
+        max_step_tokens: opts.max_step_tokens,
+        max_model_len,
+        overlap: opts.overlap,
+    };
+    let engine = batching::spawn(model.clone(), cfg, state.metrics.clone())
+        .context("starting the engine thread")?;
+    notifier.status("warming up");
+    warm_up(&engine, &model).await?;
+    let ready = Ready {
+        model,
+        engine,
+        model_id,
+        max_model_len,
+        max_queue: opts.max_queue,
+        max_n: opts.max_n,
+        created: unix_now(),
+    };
+    let _ = state.ready.set(Arc::new(ready));
+    state.metrics.ready.set(1);
+    Ok(())
+}
+
+/// One short greedy generation through the real path, so the first request does not pay for
+/// first-touch page faults and thread start-up.
+async fn warm_up(
+    engine: &batching::EngineHandle,
+    model: &crate::load::LoadedModel<CpuBackend>,
+) -> anyhow::Result<()> {
+    let prompt = model
+        .tokenizer
+        .encode("Hello, world.", true)
+        .context("encoding the warm-up prompt")?;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let req = EngineRequest {
+        prompt,
+        params: RequestParams {
+            max_tokens: 4,
+            sampling: SamplingParams::greedy(),
+            ignore_eos: true,
+            stop_token_ids: vec![],
+        },
+        events: tx,
+        arrival: std::time::Instant::now(),
+    };
+    anyhow::ensure!(engine.submit(req), "the engine thread stopped");
+    while let Some(e) = rx.recv().await {
+        match e {
+            Event::Token { .. } => {}
+            Event::Finished { .. } => return Ok(()),
+            Event::Failed(m) => anyhow::bail!("warm-up failed: {m}"),
+        }
+    }
+    anyhow::bail!("the engine thread stopped during warm-up")
+}
+
+/// Pings systemd's watchdog at half its period while loading, and afterwards only while the engine
+/// loop keeps turning — a wedged engine gets the service restarted.
+async fn watchdog(state: Shared, notifier: Notifier, period: Duration) {
+    let mut tick = tokio::time::interval(period / 2);
+    loop {
+        tick.tick().await;
+        let healthy = match state.ready.get() {
+            None => true,
+            Some(r) => r.engine.since_heartbeat() < period,
+        };
+        if healthy {
+            notifier.watchdog();
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

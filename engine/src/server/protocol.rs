@@ -1,0 +1,231 @@
+//! OpenAI request bodies, parsed strictly: a wrong type or an unknown field is a 400 naming the
+//! field. Validation against the model (context length, vocabulary) happens in `validate`.
+
+use serde::Deserialize;
+
+use super::error::ApiError;
+
+/// Parses a JSON body, turning serde's error into a 400 that names the offending field.
+pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err(ApiError::bad_request(
+            "The request body is empty; send a JSON object",
+        ));
+    }
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let msg = inner.to_string();
+        if inner.is_syntax() || inner.is_eof() {
+            return ApiError::bad_request(format!("The request body is not valid JSON: {msg}"));
+        }
+        // Unknown fields are reported at their parent; name the field itself.
+        let param = match msg.strip_prefix("unknown field `") {
+            Some(rest) => rest.split('`').next().unwrap_or_default().to_string(),
+            None if path == "." => String::new(),
+            None => path,
+        };
+        if param.is_empty() {
+            ApiError::bad_request(format!("Invalid request: {msg}"))
+        } else {
+            ApiError::invalid(param.clone(), format!("Invalid `{param}`: {msg}"))
+        }
+    })
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize, Debug, Clone, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling and length fields shared by both endpoints.
+#[derive(Debug, Clone, Default)]
+pub struct Knobs {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub n: Option<i64>,
+    pub ignore_eos: bool,
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub max_tokens: Option<i64>,
+    /// Number of top alternatives per token (0..=20).
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+    pub user: Option<String>,
+    // Flattened fields cannot be combined with deny_unknown_fields, so the shared ones are listed.
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub n: Option<i64>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+    pub name: Option<String>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<i64>,
+    pub user: Option<String>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub n: Option<i64>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+impl CompletionRequest {
+    pub fn knobs(&self) -> Knobs {
+        Knobs {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            n: self.n,
+            ignore_eos: self.ignore_eos,
+            stream: self.stream,
+            stream_options: self.stream_options.clone(),
+        }
+    }
+}
+
+impl ChatRequest {
+    pub fn knobs(&self) -> Knobs {
+        Knobs {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            n: self.n,
+            ignore_eos: self.ignore_eos,
+            stream: self.stream,
+            stream_options: self.stream_options.clone(),
+        }
+    }
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<Message>>,
+    #[serde(default = "yes")]
+    pub add_special_tokens: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
+}

@@ -1,0 +1,71 @@
+//! What every handler shares: options, metrics, and — once loading is done — the model and the
+//! engine handle.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use crate::backend::Precision;
+use crate::backend::cpu::CpuBackend;
+use crate::batching::EngineHandle;
+use crate::load::LoadedModel;
+use crate::metrics::Metrics;
+
+/// `kiln serve`'s settings, resolved from flags and the config file.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    pub model_path: PathBuf,
+    /// The id clients send as `model` (default: the file name without `.gguf`).
+    pub served_model_name: Option<String>,
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    pub precision: Precision,
+    pub threads: Option<usize>,
+    pub kv_tokens: usize,
+    pub block_size: usize,
+    pub max_running: usize,
+    pub max_step_tokens: usize,
+    /// Cap on prompt + output (default and upper bound: the model's context).
+    pub max_model_len: Option<usize>,
+    /// Requests in flight (running + waiting) before new ones get 429.
+    pub max_queue: usize,
+    pub max_body_bytes: usize,
+    pub max_n: usize,
+    pub shutdown_timeout: Duration,
+    pub instance: String,
+    pub overlap: bool,
+    /// systemd's `$NOTIFY_SOCKET`.
+    pub notify_socket: Option<PathBuf>,
+    /// systemd's `$WATCHDOG_USEC`.
+    pub watchdog: Option<Duration>,
+}
+
+pub struct Ready {
+    pub model: Arc<LoadedModel<CpuBackend>>,
+    pub engine: EngineHandle,
+    pub model_id: String,
+    pub max_model_len: usize,
+    pub max_queue: usize,
+    pub max_n: usize,
+    /// Unix seconds when the model became ready (`created` in /v1/models).
+    pub created: u64,
+}
+
+pub struct AppState {
+    pub opts: ServeOptions,
+    pub metrics: Arc<Metrics>,
+    pub ready: OnceLock<Arc<Ready>>,
+    /// Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
+    pub draining: AtomicBool,
+}
+
+pub type Shared = Arc<AppState>;
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
