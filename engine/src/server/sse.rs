@@ -14,13 +14,18 @@ use tokio::sync::mpsc;
 use super::generation::{Choice, Delta};
 use crate::metrics::Metrics;
 
+/// Formats one delta as a chunk (`None`: nothing to send).
+pub type ChunkFn = Box<dyn Fn(&Delta) -> Option<Value> + Send>;
+/// Formats the final usage chunk.
+pub type UsageFn = Box<dyn Fn(Value) -> Value + Send>;
+
 pub struct StreamSpec {
     /// Sent before any token (chat's `role` chunk, say).
     pub preamble: Vec<Value>,
     /// One chunk per delta (`None`: nothing to send).
-    pub chunk: Box<dyn Fn(&Delta) -> Option<Value> + Send>,
+    pub chunk: ChunkFn,
     /// With `include_usage`: the final chunk given the usage object.
-    pub usage_chunk: Option<Box<dyn Fn(Value) -> Value + Send>>,
+    pub usage_chunk: Option<UsageFn>,
     pub prompt_tokens: usize,
     pub endpoint: &'static str,
     pub metrics: Arc<Metrics>,

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use kiln::catalog::{CatalogEntry, DEFAULT_MODEL, QWEN_CODER};
 
+pub mod server;
+
 /// The cached model file; fails with the command that fetches it (these tests need real weights).
 pub fn model_path(entry: &CatalogEntry) -> PathBuf {
     let cache = match std::env::var_os("KILN_CACHE_DIR") {

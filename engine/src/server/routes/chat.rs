@@ -169,7 +169,7 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
                 let mut v = c3(json!([]));
                 v["usage"] = u;
                 v
-            }) as Box<dyn Fn(Value) -> Value + Send>
+            }) as sse::UsageFn
         });
         return Ok(sse::respond(
             choices,

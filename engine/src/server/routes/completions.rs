@@ -96,7 +96,7 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
             Box::new(move |u: Value| {
                 json!({"id": id, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": u})
-            }) as Box<dyn Fn(Value) -> Value + Send>
+            }) as sse::UsageFn
         });
         return Ok(sse::respond(
             choices,

@@ -1,0 +1,160 @@
+//! Starts the real `kiln serve` binary on a free port and talks plain HTTP/1.1 to it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Server {
+    pub child: Child,
+    pub port: u16,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+impl Server {
+    /// `kiln serve` on the default model with `extra` flags; returns once /ready answers 200.
+    pub fn start(extra: &[&str]) -> Server {
+        let port = free_port();
+        let model = super::smollm2();
+        let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["serve", "--port", &port.to_string(), "--model"])
+            .arg(&model)
+            .args(["--kv-tokens", "8192", "--threads", "1"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kiln serve");
+        let s = Server { child, port };
+        let t0 = Instant::now();
+        loop {
+            if let Ok((200, _)) = s.try_request("GET", "/ready", &[], b"") {
+                return s;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(120), "server not ready");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[&str],
+        body: &[u8],
+    ) -> (u16, String) {
+        self.try_request(method, path, headers, body)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    pub fn try_request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[&str],
+        body: &[u8],
+    ) -> std::io::Result<(u16, String)> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
+        s.set_read_timeout(Some(Duration::from_secs(300)))?;
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for h in headers {
+            head.push_str(h);
+            head.push_str("\r\n");
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes())?;
+        s.write_all(body)?;
+        read_response(BufReader::new(s))
+    }
+
+    pub fn post_json(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let (status, text) = self.request("POST", path, &[], body.to_string().as_bytes());
+        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"));
+        (status, v)
+    }
+
+    pub fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.request("GET", "/metrics", &[], b"");
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("metric {name} missing"))
+    }
+
+    /// SIGTERM, then the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        self.child.wait().expect("wait")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Status and body; chunked bodies (SSE) are de-chunked.
+pub fn read_response(mut r: impl BufRead) -> std::io::Result<(u16, String)> {
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad status line {line:?}")))?;
+    let mut chunked = false;
+    loop {
+        line.clear();
+        r.read_line(&mut line)?;
+        if line == "\r\n" || line.is_empty() {
+            break;
+        }
+        let l = line.to_ascii_lowercase();
+        if l.starts_with("transfer-encoding:") && l.contains("chunked") {
+            chunked = true;
+        }
+    }
+    let mut body = Vec::new();
+    if chunked {
+        loop {
+            line.clear();
+            r.read_line(&mut line)?;
+            let n = usize::from_str_radix(line.trim(), 16).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            let mut chunk = vec![0; n + 2];
+            r.read_exact(&mut chunk)?;
+            body.extend_from_slice(&chunk[..n]);
+        }
+    } else {
+        r.read_to_end(&mut body)?;
+    }
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// The `data:` payloads of an SSE body.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(String::from)
+        .collect()
+}

@@ -1,0 +1,681 @@
+//! The real `kiln serve` on the default model, driven over HTTP: the bad-input table, batched vs
+//! single greedy outputs, a load of streaming clients that disconnect at random, SIGTERM draining,
+//! and the official `openai` Python client plus a Prometheus parser (`tests/clients/`).
+
+mod common;
+
+use std::io::{BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::server::{Server, read_response, sse_data};
+use serde_json::{Value, json};
+
+const KEY: &str = "test-key-123";
+
+fn auth() -> String {
+    format!("Authorization: Bearer {KEY}")
+}
+
+/// (name, method, path, extra headers, body, expected status, expected `param` if any)
+type Case = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Vec<String>,
+    Vec<u8>,
+    u16,
+    Option<&'static str>,
+);
+
+fn cases() -> Vec<Case> {
+    let j = |v: Value| v.to_string().into_bytes();
+    let chat = |extra: Value| {
+        let mut v = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        for (k, x) in extra.as_object().cloned().unwrap_or_default() {
+            v[k] = x;
+        }
+        j(v)
+    };
+    let a = || vec![auth()];
+    let c = "/v1/chat/completions";
+    let p = "/v1/completions";
+    vec![
+        (
+            "malformed JSON",
+            "POST",
+            c,
+            a(),
+            b"{\"messages\": [".to_vec(),
+            400,
+            None,
+        ),
+        (
+            "not an object",
+            "POST",
+            c,
+            a(),
+            b"[1, 2]".to_vec(),
+            400,
+            None,
+        ),
+        ("empty body", "POST", c, a(), vec![], 400, None),
+        (
+            "invalid UTF-8",
+            "POST",
+            c,
+            a(),
+            b"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}".to_vec(),
+            400,
+            None,
+        ),
+        (
+            "missing messages",
+            "POST",
+            c,
+            a(),
+            j(json!({"max_tokens": 3})),
+            400,
+            None,
+        ),
+        (
+            "messages not a list",
+            "POST",
+            c,
+            a(),
+            j(json!({"messages": "hi"})),
+            400,
+            Some("messages"),
+        ),
+        (
+            "empty messages",
+            "POST",
+            c,
+            a(),
+            j(json!({"messages": []})),
+            400,
+            Some("messages"),
+        ),
+        (
+            "unknown role",
+            "POST",
+            c,
+            a(),
+            j(json!({"messages": [{"role": "wizard", "content": "hi"}]})),
+            400,
+            Some("messages[0].role"),
+        ),
+        (
+            "content wrong type",
+            "POST",
+            c,
+            a(),
+            j(json!({"messages": [{"role": "user", "content": 5}]})),
+            400,
+            Some("messages[0].content"),
+        ),
+        (
+            "image content part",
+            "POST",
+            c,
+            a(),
+            j(json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})),
+            400,
+            Some("messages[0].content[0]"),
+        ),
+        (
+            "missing user content",
+            "POST",
+            c,
+            a(),
+            j(json!({"messages": [{"role": "user"}]})),
+            400,
+            Some("messages[0].content"),
+        ),
+        (
+            "unknown model",
+            "POST",
+            c,
+            a(),
+            chat(json!({"model": "gpt-9"})),
+            404,
+            Some("model"),
+        ),
+        (
+            "negative max_tokens",
+            "POST",
+            c,
+            a(),
+            chat(json!({"max_tokens": -5})),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "zero max_tokens",
+            "POST",
+            c,
+            a(),
+            chat(json!({"max_tokens": 0})),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "huge max_tokens",
+            "POST",
+            c,
+            a(),
+            chat(json!({"max_tokens": 10_000_000})),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "max_tokens a string",
+            "POST",
+            c,
+            a(),
+            chat(json!({"max_tokens": "ten"})),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "temperature too high",
+            "POST",
+            c,
+            a(),
+            chat(json!({"temperature": 7})),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "negative temperature",
+            "POST",
+            c,
+            a(),
+            chat(json!({"temperature": -1})),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "temperature a string",
+            "POST",
+            c,
+            a(),
+            chat(json!({"temperature": "hot"})),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "top_p zero",
+            "POST",
+            c,
+            a(),
+            chat(json!({"top_p": 0})),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "top_p above one",
+            "POST",
+            c,
+            a(),
+            chat(json!({"top_p": 1.5})),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "top_k negative",
+            "POST",
+            c,
+            a(),
+            chat(json!({"top_k": -3})),
+            400,
+            Some("top_k"),
+        ),
+        (
+            "min_p above one",
+            "POST",
+            c,
+            a(),
+            chat(json!({"min_p": 2})),
+            400,
+            Some("min_p"),
+        ),
+        (
+            "presence penalty out of range",
+            "POST",
+            c,
+            a(),
+            chat(json!({"presence_penalty": 3})),
+            400,
+            Some("presence_penalty"),
+        ),
+        (
+            "frequency penalty out of range",
+            "POST",
+            c,
+            a(),
+            chat(json!({"frequency_penalty": -9})),
+            400,
+            Some("frequency_penalty"),
+        ),
+        (
+            "negative seed",
+            "POST",
+            c,
+            a(),
+            chat(json!({"seed": -1})),
+            400,
+            Some("seed"),
+        ),
+        (
+            "n zero",
+            "POST",
+            c,
+            a(),
+            chat(json!({"n": 0})),
+            400,
+            Some("n"),
+        ),
+        (
+            "n too large",
+            "POST",
+            c,
+            a(),
+            chat(json!({"n": 1000})),
+            400,
+            Some("n"),
+        ),
+        (
+            "empty stop string",
+            "POST",
+            c,
+            a(),
+            chat(json!({"stop": [""]})),
+            400,
+            Some("stop"),
+        ),
+        (
+            "stop token outside vocab",
+            "POST",
+            c,
+            a(),
+            chat(json!({"stop_token_ids": [999999]})),
+            400,
+            Some("stop_token_ids"),
+        ),
+        (
+            "top_logprobs without logprobs",
+            "POST",
+            c,
+            a(),
+            chat(json!({"top_logprobs": 3})),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            "top_logprobs too many",
+            "POST",
+            c,
+            a(),
+            chat(json!({"logprobs": true, "top_logprobs": 50})),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            "stream_options without stream",
+            "POST",
+            c,
+            a(),
+            chat(json!({"stream_options": {"include_usage": true}})),
+            400,
+            Some("stream_options"),
+        ),
+        (
+            "unknown field",
+            "POST",
+            c,
+            a(),
+            chat(json!({"temprature": 1})),
+            400,
+            Some("temprature"),
+        ),
+        (
+            "prompt too long for the context",
+            "POST",
+            p,
+            a(),
+            j(json!({"prompt": "word ".repeat(9000), "max_tokens": 1})),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt token outside vocab",
+            "POST",
+            p,
+            a(),
+            j(json!({"prompt": [1, 2, 99999999]})),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt wrong type",
+            "POST",
+            p,
+            a(),
+            j(json!({"prompt": {"text": "x"}})),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "missing prompt",
+            "POST",
+            p,
+            a(),
+            j(json!({"max_tokens": 2})),
+            400,
+            None,
+        ),
+        (
+            "empty token prompt",
+            "POST",
+            p,
+            a(),
+            j(json!({"prompt": []})),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "logprobs too many",
+            "POST",
+            p,
+            a(),
+            j(json!({"prompt": "x", "logprobs": 99})),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "echo unsupported",
+            "POST",
+            p,
+            a(),
+            j(json!({"prompt": "x", "echo": true})),
+            400,
+            Some("echo"),
+        ),
+        (
+            "oversize body",
+            "POST",
+            c,
+            a(),
+            vec![b' '; 5 << 20],
+            413,
+            None,
+        ),
+        (
+            "missing auth",
+            "POST",
+            c,
+            vec![],
+            chat(json!({})),
+            401,
+            None,
+        ),
+        (
+            "wrong auth",
+            "POST",
+            c,
+            vec!["Authorization: Bearer nope".into()],
+            chat(json!({})),
+            401,
+            None,
+        ),
+        (
+            "auth without Bearer",
+            "POST",
+            c,
+            vec![format!("Authorization: {KEY}")],
+            chat(json!({})),
+            401,
+            None,
+        ),
+        (
+            "unknown route",
+            "GET",
+            "/v2/whatever",
+            a(),
+            vec![],
+            404,
+            None,
+        ),
+        (
+            "wrong method on completions",
+            "GET",
+            p,
+            a(),
+            vec![],
+            405,
+            None,
+        ),
+        (
+            "wrong method on models",
+            "DELETE",
+            "/v1/models",
+            a(),
+            vec![],
+            405,
+            None,
+        ),
+        (
+            "tokenize with both inputs",
+            "POST",
+            "/tokenize",
+            a(),
+            j(json!({"prompt": "a", "messages": []})),
+            400,
+            None,
+        ),
+        (
+            "detokenize outside vocab",
+            "POST",
+            "/detokenize",
+            a(),
+            j(json!({"tokens": [4000000]})),
+            400,
+            Some("tokens"),
+        ),
+    ]
+}
+
+#[test]
+fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
+    let s = Server::start(&["--api-key", KEY, "--max-body-bytes", "4194304"]);
+    let table = cases();
+    assert!(table.len() >= 30);
+    let good = json!({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0});
+    for (name, method, path, headers, body, want, param) in table {
+        let h: Vec<&str> = headers.iter().map(String::as_str).collect();
+        let (status, text) = s.request(method, path, &h, &body);
+        assert_eq!(status, want, "{name}: {text}");
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}: {text}"));
+        let err = &v["error"];
+        assert!(
+            err["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{name}: {text}"
+        );
+        assert!(err["type"].is_string(), "{name}: {text}");
+        assert!(
+            err.get("param").is_some() && err.get("code").is_some(),
+            "{name}: {text}"
+        );
+        if let Some(p) = param {
+            assert_eq!(err["param"], p, "{name}: {text}");
+        }
+        // The server answers a good request between any two bad ones.
+        let a = auth();
+        let (ok, body) = s.request(
+            "POST",
+            "/v1/chat/completions",
+            &[&a],
+            good.to_string().as_bytes(),
+        );
+        assert_eq!(ok, 200, "after {name}: {body}");
+    }
+    // Open routes stay open.
+    assert_eq!(s.request("GET", "/health", &[], b"").0, 200);
+    assert_eq!(s.request("GET", "/metrics", &[], b"").0, 200);
+}
+
+fn greedy(s: &Server, prompt: &str) -> String {
+    let (st, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn batched_greedy_equals_single_and_load_with_disconnects_frees_every_block() {
+    let s = Server::start(&["--mode", "exact"]);
+    let prompts: Vec<String> = [
+        "def is_prime(n):",
+        "The capital of France is",
+        "1, 2, 3, 4,",
+        "Once upon a time",
+        "import numpy as np\n",
+        "The water boils at",
+        "SELECT * FROM",
+        "Dear Sir or Madam,",
+    ]
+    .iter()
+    .map(|p| p.to_string())
+    .collect();
+    let alone: Vec<String> = prompts.iter().map(|p| greedy(&s, p)).collect();
+    let together: Vec<String> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts.iter().map(|p| sc.spawn(|| greedy(&s, p))).collect();
+        hs.into_iter().map(|h| h.join().expect("client")).collect()
+    });
+    assert_eq!(alone, together, "batched greedy output differs from single");
+    assert!(s.metric("kiln_batch_size_sum") > 0.0);
+
+    // 64 streaming clients; every third hangs up after a few events.
+    let port = s.port;
+    let results: Vec<Option<usize>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..64)
+            .map(|i| {
+                sc.spawn(move || {
+                    let body = json!({"messages": [{"role": "user", "content": format!("Count to {i}")}],
+                        "max_tokens": 12 + i % 20, "stream": true, "temperature": 0.7, "seed": i,
+                        "stream_options": {"include_usage": true}})
+                    .to_string();
+                    let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+                    t.set_read_timeout(Some(Duration::from_secs(300))).expect("timeout");
+                    let req = format!(
+                        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    t.write_all(req.as_bytes()).expect("send");
+                    if i % 3 == 0 {
+                        let mut buf = vec![0; 200 + 37 * (i % 7)];
+                        let _ = t.read(&mut buf);
+                        return None; // drop: disconnect mid-stream
+                    }
+                    let (status, body) = read_response(BufReader::new(t)).expect("response");
+                    assert_eq!(status, 200, "{body}");
+                    let data = sse_data(&body);
+                    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+                    let chunks: Vec<Value> = data[..data.len() - 1]
+                        .iter()
+                        .map(|d| serde_json::from_str(d).expect("chunk JSON"))
+                        .collect();
+                    let usage = &chunks.last().expect("usage chunk")["usage"];
+                    let finish = chunks.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).count();
+                    assert_eq!(finish, 1, "{body}");
+                    Some(usage["completion_tokens"].as_u64().unwrap_or(0) as usize)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("client")).collect()
+    });
+    assert!(results.iter().flatten().all(|&n| n >= 1));
+    // Aborted sequences are dropped at the engine's next step.
+    let mut used = f64::NAN;
+    for _ in 0..100 {
+        used = s.metric("kiln_kv_blocks_used");
+        if used == 0.0 && s.metric("kiln_running_requests") == 0.0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(used, 0.0, "KV blocks still in use after the load");
+    assert_eq!(s.request("GET", "/health", &[], b"").0, 200);
+}
+
+#[test]
+fn sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_zero() {
+    let mut s = Server::start(&[]);
+    let port = s.port;
+    let inflight = std::thread::spawn(move || {
+        let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": true, "temperature": 0}).to_string();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        t.write_all(req.as_bytes()).expect("send");
+        read_response(BufReader::new(t)).expect("response")
+    });
+    std::thread::sleep(Duration::from_millis(600));
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .status();
+    std::thread::sleep(Duration::from_millis(200));
+    // New connections are refused (listener closed) or answered 503.
+    if let Ok((st, _)) = s.try_request("GET", "/ready", &[], b"") {
+        assert_eq!(st, 503);
+    }
+    let (status, body) = inflight.join().expect("in-flight client");
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(v["usage"]["completion_tokens"], 150, "{body}");
+    let code = s.child.wait().expect("wait");
+    assert!(code.success(), "exit status {code}");
+}
+
+#[test]
+fn official_openai_client_and_prometheus_parser() {
+    let s = Server::start(&["--api-key", KEY]);
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/clients/openai_client.py"
+    );
+    let python = std::env::var("KILN_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .arg(script)
+        .args([&s.base_url(), KEY])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("{python}: {e} (install: python3 -m pip install openai prometheus-client)")
+        });
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "client script failed:\n{log}");
+    assert!(log.contains("ALL CHECKS PASSED"), "{log}");
+    // And curl, the other client every operator uses.
+    let curl = std::process::Command::new("curl")
+        .args(["-sS", "-H", &format!("Authorization: Bearer {KEY}"), "-d"])
+        .arg(r#"{"prompt":"Hello","max_tokens":3}"#)
+        .arg(format!("{}/v1/completions", s.base_url()))
+        .output()
+        .expect("curl");
+    let v: Value = serde_json::from_slice(&curl.stdout).expect("curl JSON");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+}
