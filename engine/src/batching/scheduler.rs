@@ -245,8 +245,9 @@ mod tests {
         s.remove(1);
         assert_eq!(s.blocks_used(), 0);
         let p = s.schedule();
-        assert_eq!(p.work, [(0, 8)]);
-        assert_eq!(s.running()[0].id, 2);
+        assert_eq!(p.work, [(0, 8), (1, 2)], "now 2 fits, and 3 behind it");
+        let ids: Vec<SeqId> = s.running().iter().map(|q| q.id).collect();
+        assert_eq!(ids, [2, 3]);
     }
 
     #[test]
