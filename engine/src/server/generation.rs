@@ -140,6 +140,21 @@ impl Choice {
         Some(Ok(delta))
     }
 
+    /// Runs the choice to its end (non-streaming responses): all deltas folded into one.
+    pub async fn collect(&mut self) -> Result<Delta, ApiError> {
+        let mut all = Delta {
+            index: self.index,
+            ..Default::default()
+        };
+        while let Some(d) = self.next().await {
+            let d = d?;
+            all.text.push_str(&d.text);
+            all.tokens.extend(d.tokens);
+            all.finish = d.finish.or(all.finish);
+        }
+        Ok(all)
+    }
+
     fn end(&mut self, delta: Delta, why: &'static str) -> Delta {
         self.done = true;
         // Closing our end tells the engine to stop this sequence at its next step.

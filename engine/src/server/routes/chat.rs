@@ -186,15 +186,12 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
     let mut out = Vec::with_capacity(choices.len());
     let mut completion_tokens = 0;
     for mut c in choices {
-        let mut text = String::new();
-        let mut tokens = Vec::new();
-        let mut finish = None;
-        while let Some(d) = c.next().await {
-            let d = d?;
-            text.push_str(&d.text);
-            tokens.extend(d.tokens);
-            finish = d.finish.or(finish);
-        }
+        let Delta {
+            text,
+            tokens,
+            finish,
+            ..
+        } = c.collect().await?;
         completion_tokens += tokens.len();
         let lp = want_logprobs.then(|| json!({"content": chat_logprobs(tok, &tokens)}));
         out.push(json!({

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::{body, check_model, completion_logprobs, limits, ready, request_id, usage};
 use crate::server::error::ApiError;
-use crate::server::generation::{Choice, submit};
+use crate::server::generation::{Choice, Delta, submit};
 use crate::server::protocol::{CompletionRequest, Prompt, parse_body};
 use crate::server::sse::{self, StreamSpec};
 use crate::server::state::{Shared, unix_now};
@@ -81,7 +81,7 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
     let want_logprobs = tops.is_some();
     if p.stream {
         let (id2, model2, r2) = (id.clone(), model.clone(), ready.clone());
-        let chunk = move |d: &crate::server::generation::Delta| -> Option<Value> {
+        let chunk = move |d: &Delta| -> Option<Value> {
             if d.text.is_empty() && d.finish.is_none() && !want_logprobs {
                 return None;
             }
@@ -113,15 +113,12 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
     let mut out = Vec::with_capacity(choices.len());
     let mut completion_tokens = 0;
     for mut c in choices {
-        let mut text = String::new();
-        let mut tokens = Vec::new();
-        let mut finish = None;
-        while let Some(d) = c.next().await {
-            let d = d?;
-            text.push_str(&d.text);
-            tokens.extend(d.tokens);
-            finish = d.finish.or(finish);
-        }
+        let Delta {
+            text,
+            tokens,
+            finish,
+            ..
+        } = c.collect().await?;
         completion_tokens += tokens.len();
         let lp = want_logprobs.then(|| completion_logprobs(tok, &tokens, 0));
         out.push(json!({"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}));
