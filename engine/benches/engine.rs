@@ -1,16 +1,71 @@
 //! `cargo bench --bench engine`: prefill and single-stream decode throughput of the CPU backend on the
 //! default model, in both precision modes, plus the weight-bandwidth roofline for decode.
 //!
+//! Batched decode (what a server does at concurrency B): B sequences with a 200-token context each
+//! decode together, one token per sequence per step.
+//!
 //! Options (env, since cargo bench passes no flags through cleanly): KILN_BENCH_MODEL=path,
-//! KILN_BENCH_PROMPT=512, KILN_BENCH_DECODE=128, KILN_BENCH_MODES=fast,exact, KILN_BENCH_REPS=3, KILN_BENCH_THREADS=n (default: all cores).
+//! KILN_BENCH_PROMPT=512, KILN_BENCH_DECODE=128, KILN_BENCH_MODES=fast,exact, KILN_BENCH_REPS=3,
+//! KILN_BENCH_THREADS=n (default: all cores), KILN_BENCH_BATCHES=1,4,16 (empty: skip batched decode).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kiln::backend::Precision;
 use kiln::backend::cpu::CpuBackend;
+use kiln::backend::{Backend, Precision, SeqSpan};
 use kiln::generate::{GenerateOptions, SingleSequence};
-use kiln::load::load_model;
+use kiln::kv_cache::{BlockAllocator, SeqBlocks};
+use kiln::load::{LoadedModel, load_model};
+use kiln::model::{ForwardBatch, Workspace};
+
+const BLOCK: usize = 16;
+
+/// Output tok/s of `batch` sequences decoding `steps` tokens each after a `context`-token prefill.
+fn batched_decode(m: &LoadedModel<CpuBackend>, batch: usize, context: usize, steps: usize) -> f64 {
+    let c = m.config();
+    let per_seq = (context + steps).div_ceil(BLOCK);
+    let mut alloc = BlockAllocator::new(per_seq * batch, BLOCK);
+    let mut kv = m
+        .backend
+        .kv_store(c.n_layers, per_seq * batch, BLOCK, c.kv_width());
+    let mut ws = Workspace::new(&m.backend);
+    let mut seqs: Vec<SeqBlocks> = (0..batch).map(|_| SeqBlocks::default()).collect();
+    for s in &mut seqs {
+        s.reserve(&mut alloc, context + steps).expect("kv fits");
+    }
+    let mut run_step = |len: usize, n_new: usize| {
+        let spans: Vec<SeqSpan> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| SeqSpan {
+                first_token: i * n_new,
+                n_tokens: n_new,
+                start_pos: len,
+                block_table: &s.table,
+            })
+            .collect();
+        let tokens: Vec<u32> = (0..batch * n_new)
+            .map(|i| 1000 + (i as u32 * 37) % 40000)
+            .collect();
+        let positions: Vec<usize> = (0..batch).flat_map(|_| len..len + n_new).collect();
+        let logit_rows: Vec<usize> = (0..batch).map(|i| (i + 1) * n_new - 1).collect();
+        let fb = ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            spans: &spans,
+            logit_rows: &logit_rows,
+        };
+        m.model
+            .forward(&m.backend, &mut kv, &fb, &mut ws)
+            .expect("forward");
+    };
+    run_step(0, context);
+    let t = Instant::now();
+    for i in 0..steps {
+        run_step(context + i, 1);
+    }
+    (batch * steps) as f64 / t.elapsed().as_secs_f64()
+}
 
 fn env_usize(key: &str, default: usize) -> usize {
     std::env::var(key)
@@ -103,6 +158,16 @@ fn main() {
                 .generate(&m, &prompt[..1], &decode, |_| {})
                 .expect("decode");
             best_tg = best_tg.max((r.output.len() - 1) as f64 / r.decode_time.as_secs_f64());
+        }
+        let batches = std::env::var("KILN_BENCH_BATCHES").unwrap_or_else(|_| "1,4,16".into());
+        for b in batches
+            .split(',')
+            .filter_map(|b| b.trim().parse::<usize>().ok())
+        {
+            let best = (0..reps)
+                .map(|_| batched_decode(&m, b, 200, 32))
+                .fold(0f64, f64::max);
+            println!("{mode:>5}: batched decode B={b:<3} {best:8.1} tok/s (200-token contexts)");
         }
         println!(
             "{mode:>5}: prefill pp{n_prompt} {best_pp:8.1} tok/s | decode tg{n_decode} {best_tg:8.1} tok/s (best of {reps}, simd {:?})",

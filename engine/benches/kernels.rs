@@ -29,12 +29,37 @@ fn run8(k: &Kernels, w: &[BlockQ4_1x8], a: &[BlockQ8Act], nb: usize, passes: usi
     let mut sink = 0f32;
     for _ in 0..passes {
         for g in 0..groups {
-            let v = (k.dot8_q4_1)(&w[g * nb..(g + 1) * nb], a);
+            let [v] = (k.dot8_q4_1.x1)(&w[g * nb..(g + 1) * nb], [a]);
             sink += v[0] + v[7];
         }
     }
     let bytes = (std::mem::size_of_val(w) * passes) as f64;
     (bytes / t.elapsed().as_secs_f64() / 1e9, sink)
+}
+
+/// Multiply-accumulates per second (billions) of the eight-row kernel at 1, 2 and 4 activation rows
+/// per pass, weights in L1: the compute ceiling of batched decode and prefill.
+fn macs8(k: &Kernels, w: &[BlockQ4_1x8], a: &[BlockQ8Act], nb: usize) -> [f64; 3] {
+    let groups = w.len() / nb;
+    let passes = 20_000;
+    let mut sink = 0f32;
+    let mut rate = |rows: usize, f: &dyn Fn(&[BlockQ4_1x8]) -> f32| {
+        let t = Instant::now();
+        for _ in 0..passes {
+            for g in 0..groups {
+                sink += f(&w[g * nb..(g + 1) * nb]);
+            }
+        }
+        let macs = (passes * groups * nb * 256 * rows) as f64;
+        macs / t.elapsed().as_secs_f64() / 1e9
+    };
+    let r = [
+        rate(1, &|wg| (k.dot8_q4_1.x1)(wg, [a])[0][3]),
+        rate(2, &|wg| (k.dot8_q4_1.x2)(wg, [a, a])[1][3]),
+        rate(4, &|wg| (k.dot8_q4_1.x4)(wg, [a, a, a, a])[3][3]),
+    ];
+    std::hint::black_box(sink);
+    r
 }
 
 fn interleave(rows: &[BlockQ4_1], nb: usize) -> Vec<BlockQ4_1x8> {
@@ -71,6 +96,10 @@ fn main() {
         println!(
             "{level:?}: dot8_q4_1 {in_cache8:6.1} GB/s of weights in L2, {streaming8:6.1} GB/s streaming 94 MB (checksum {})",
             s3 + s4
+        );
+        let [m1, m2, m4] = macs8(&k, &s8[..4 * nb], &a, nb);
+        println!(
+            "{level:?}: dot8_q4_1 in L1, one thread: {m1:6.1} / {m2:6.1} / {m4:6.1} GMAC/s at 1 / 2 / 4 activation rows"
         );
         println!(
             "{level:?}: dot4_q4_1 {in_cache:6.1} GB/s of weights in L2, {streaming:6.1} GB/s streaming 94 MB (checksum {})",

@@ -4,8 +4,8 @@
 //!
 //! Two checks per case:
 //! - teacher-forced: the prompt plus the reference's greedy tokens in one forward; at every step whose
-//!   reference top-2 margin exceeds the mode's threshold (0.1 exact, 0.5 fast) our argmax must be the reference token, and the first steps'
-//!   logits must be within the mode's tolerance;
+//!   reference top-2 margin exceeds 0.1 (both modes) our argmax must be the reference token, and the
+//!   first steps' logits must be within the mode's tolerance;
 //! - free-running: kiln's own greedy generation (prefill then token-by-token decode through the paged KV
 //!   cache) must reproduce the reference sequence up to the first step at or below that threshold.
 
@@ -18,12 +18,9 @@ use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::load::{LoadedModel, load_model};
 use kiln::model::{ForwardBatch, Workspace};
 
-/// A reference step counts only when its top-2 logit margin exceeds this: below it, f32 summation
-/// order alone can flip the argmax.
-const EXACT_MARGIN: f32 = 0.1;
-/// Fast mode moves logits by up to ~1% of their range (about 0.2 on these models), so near-ties
-/// within that are not evidence either way; llama.cpp's quantized path has the same property.
-const FAST_MARGIN: f32 = 0.5;
+/// A reference step counts only when its top-2 logit margin exceeds this (in both modes): below it,
+/// f32 summation order alone can flip the argmax.
+const MARGIN: f32 = 0.1;
 
 struct Case {
     name: String,
@@ -113,10 +110,7 @@ fn logit_error(ours: &[f32], ids: &[u32], reference: &[f32]) -> f32 {
 }
 
 fn check(model: &std::path::Path, fixture: &str, precision: Precision, logit_tolerance: f32) {
-    let margin = match precision {
-        Precision::Exact => EXACT_MARGIN,
-        Precision::Fast => FAST_MARGIN,
-    };
+    let margin = MARGIN;
     let m = load_model(CpuBackend::new(), model, precision, |_, _| {}).expect("load");
     let mut report = Vec::new();
     for case in cases(fixture) {
@@ -171,9 +165,10 @@ fn check(model: &std::path::Path, fixture: &str, precision: Precision, logit_tol
 // Exact mode: f32 throughout, as the reference. Summation order differs (blocked GEMM, SIMD), so
 // logits agree to ~1e-5 of their range, not bit for bit.
 const EXACT_TOLERANCE: f32 = 1e-3;
-// Fast mode: 8-bit activations (llama.cpp's scheme) move logits by up to ~6% of their range on
-// SmolLM2-135M (measured worst case over the fixtures: 6.1%), less on the 0.5B model.
-const FAST_TOLERANCE: f32 = 0.08;
+// Fast mode: quantized weights as stored, two-level 8-bit activations. Measured worst case over
+// the fixtures: 2.1e-4 of the range on SmolLM2-135M, 4.4e-4 on Qwen2.5-Coder-0.5B (single-level
+// 8-bit activations, llama.cpp's scheme, gave 6.1% and flipped a margin-0.17 step).
+const FAST_TOLERANCE: f32 = 2e-3;
 
 #[test]
 fn smollm2_exact() {

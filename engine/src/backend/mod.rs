@@ -23,8 +23,8 @@ use crate::weights::TensorView;
 pub enum Precision {
     /// Weights dequantized to f32, f32 arithmetic throughout: the reference-matching mode.
     Exact,
-    /// Weights stay quantized, activations are quantized to 8 bits per block for integer dot products
-    /// (what llama.cpp does on the CPU).
+    /// Weights stay quantized, activations are quantized per 32-value block to two 8-bit levels (the
+    /// value and its residual) for integer dot products: llama.cpp's scheme plus a second level.
     #[default]
     Fast,
 }

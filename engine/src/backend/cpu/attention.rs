@@ -153,55 +153,65 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// Calls `f(position, row offset)` for positions `0..n` through the block table, without a division
-/// per position.
+/// The cache rows of positions `0..n_ctx`, block by block: `(first position, first row offset, rows)`.
+/// Walking blocks keeps divisions out of the per-position loops.
 #[inline(always)]
-fn for_each_slot(j: &Job<'_>, mut f: impl FnMut(usize, usize)) {
+fn runs<'a>(j: &'a Job<'_>) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
     let bs = j.kv.block_size;
-    for (b, &phys) in j.table.iter().enumerate() {
-        let first = b * bs;
-        if first >= j.n_ctx {
-            break;
-        }
-        let base = phys as usize * bs;
-        for i in 0..bs.min(j.n_ctx - first) {
-            f(first + i, (base + i) * j.kv_width + j.kv_offset);
-        }
-    }
+    j.table
+        .iter()
+        .enumerate()
+        .map(move |(b, &phys)| (b * bs, phys as usize * bs))
+        .take_while(move |&(first, _)| first < j.n_ctx)
+        .map(move |(first, base)| (first, base, bs.min(j.n_ctx - first)))
 }
 
+// Plain loops, no closures: everything here inlines into `attend_avx2` and is compiled for its
+// target features (a closure body would be a separate function compiled for the baseline).
 #[inline(always)]
 fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let (hd, n) = (j.head_dim, j.n_ctx);
     scores.clear();
     scores.resize(j.group * n, 0.0);
-    for_each_slot(j, |p, off| {
-        let kr = &j.kc[off..off + hd];
-        for g in 0..j.group {
-            scores[g * n + p] = dot(&j.q[g * hd..(g + 1) * hd], kr) * j.scale;
+    for (first, base, len) in runs(j) {
+        for i in 0..len {
+            let off = (base + i) * j.kv_width + j.kv_offset;
+            let kr = &j.kc[off..off + hd];
+            for g in 0..j.group {
+                scores[g * n + first + i] = dot(&j.q[g * hd..(g + 1) * hd], kr) * j.scale;
+            }
         }
-    });
+    }
     for g in 0..j.group {
         let sc = &mut scores[g * n..(g + 1) * n];
-        let max = sc.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut max = f32::NEG_INFINITY;
+        for &v in sc.iter() {
+            max = max.max(v);
+        }
         let mut sum = 0f32;
         for v in sc.iter_mut() {
             *v = (*v - max).exp();
             sum += *v;
         }
         let inv = 1.0 / sum;
-        sc.iter_mut().for_each(|v| *v *= inv);
+        for v in sc.iter_mut() {
+            *v *= inv;
+        }
     }
     out.fill(0.0);
-    for_each_slot(j, |p, off| {
-        let vr = &j.vc[off..off + hd];
-        for g in 0..j.group {
-            let w = scores[g * n + p];
-            for (o, v) in out[g * hd..(g + 1) * hd].iter_mut().zip(vr) {
-                *o += w * v;
+    for (first, base, len) in runs(j) {
+        for i in 0..len {
+            let off = (base + i) * j.kv_width + j.kv_offset;
+            let vr = &j.vc[off..off + hd];
+            for g in 0..j.group {
+                let w = scores[g * n + first + i];
+                let o = &mut out[g * hd..(g + 1) * hd];
+                for e in 0..hd {
+                    o[e] += w * vr[e];
+                }
             }
         }
-    });
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -59,6 +59,26 @@ pub fn quantize_activations(x: &[f32], out: &mut [BlockQ8Act]) {
     }
 }
 
+/// The second level of two-level activations: what `hi` (from `quantize_activations`) left out,
+/// `x - hi.d * hi.q`, in steps of `hi.d / 254`. Since `|x - hi.d * hi.q| <= hi.d / 2`, the levels fit
+/// in -127..=127, and `hi + lo` carries ~16 bits per value for the cost of a second integer dot
+/// product.
+pub fn quantize_residual(x: &[f32], hi: &[BlockQ8Act], lo: &mut [BlockQ8Act]) {
+    for ((xb, hb), lb) in x.chunks_exact(QBLOCK).zip(hi).zip(lo.iter_mut()) {
+        let d = hb.d / 254.0;
+        let id = if hb.d != 0.0 { 254.0 / hb.d } else { 0.0 };
+        let mut sum = 0i32;
+        for ((q, v), h) in lb.qs.iter_mut().zip(xb).zip(&hb.qs) {
+            let r = (v - hb.d * *h as f32) * id;
+            let r = (((r + ROUND_MAGIC) - ROUND_MAGIC) as i32).clamp(-127, 127);
+            *q = r as i8;
+            sum += r;
+        }
+        lb.d = d;
+        lb.s = d * sum as f32;
+    }
+}
+
 #[inline]
 pub fn f16_to_f32(bits: u16) -> f32 {
     half::f16::from_bits(bits).to_f32()

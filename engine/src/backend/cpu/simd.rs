@@ -50,6 +50,17 @@ impl SimdLevel {
     }
 }
 
+/// Eight weight rows against `T` activation rows: `T` results of eight rows each.
+pub type Rows8Fn<W, const T: usize> = fn(&[W], [&[BlockQ8Act]; T]) -> [[f32; 8]; T];
+
+/// One eight-row kernel at three activation-row counts.
+#[derive(Clone, Copy)]
+pub struct Rows8<W: 'static> {
+    pub x1: Rows8Fn<W, 1>,
+    pub x2: Rows8Fn<W, 2>,
+    pub x4: Rows8Fn<W, 4>,
+}
+
 /// The kernel set of one SIMD level.
 #[derive(Clone, Copy)]
 pub struct Kernels {
@@ -63,10 +74,11 @@ pub struct Kernels {
     pub dot4_q4_1: fn([&[BlockQ4_1]; 4], &[BlockQ8Act]) -> [f32; 4],
     pub dot4_q8_0: fn([&[BlockQ8_0]; 4], &[BlockQ8Act]) -> [f32; 4],
     pub dot4_q8x16: fn([&[BlockQ8x16]; 4], &[BlockQ8Act]) -> [f32; 4],
-    /// Eight interleaved rows against one activation row, one SIMD lane per row: no horizontal sums,
-    /// and the eight rows' scales convert in one instruction.
-    pub dot8_q4_1: fn(&[BlockQ4_1x8], &[BlockQ8Act]) -> [f32; 8],
-    pub dot8_q8: fn(&[BlockQ8x8], &[BlockQ8Act]) -> [f32; 8],
+    /// Eight interleaved rows against one, two or four activation rows, one SIMD lane per weight row:
+    /// no horizontal sums, the eight rows' scales convert in one instruction, and each weight block
+    /// is unpacked once for all activation rows.
+    pub dot8_q4_1: Rows8<BlockQ4_1x8>,
+    pub dot8_q8: Rows8<BlockQ8x8>,
 }
 
 impl Kernels {
@@ -82,8 +94,16 @@ impl Kernels {
                 dot4_q4_1: x86::dot4_q4_1_vnni_safe,
                 dot4_q8_0: x86::dot4_q8_0_vnni_safe,
                 dot4_q8x16: x86::dot4_q8x16_vnni_safe,
-                dot8_q4_1: x86_rows8::dot8_q4_1_vnni_safe,
-                dot8_q8: x86_rows8::dot8_q8_vnni_safe,
+                dot8_q4_1: Rows8 {
+                    x1: x86_rows8::dot8_q4_1_vnni_x1,
+                    x2: x86_rows8::dot8_q4_1_vnni_x2,
+                    x4: x86_rows8::dot8_q4_1_vnni_x4,
+                },
+                dot8_q8: Rows8 {
+                    x1: x86_rows8::dot8_q8_vnni_x1,
+                    x2: x86_rows8::dot8_q8_vnni_x2,
+                    x4: x86_rows8::dot8_q8_vnni_x4,
+                },
             },
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2 => Kernels {
@@ -95,8 +115,16 @@ impl Kernels {
                 dot4_q4_1: x86::dot4_q4_1_avx2_safe,
                 dot4_q8_0: x86::dot4_q8_0_avx2_safe,
                 dot4_q8x16: x86::dot4_q8x16_avx2_safe,
-                dot8_q4_1: x86_rows8::dot8_q4_1_avx2_safe,
-                dot8_q8: x86_rows8::dot8_q8_avx2_safe,
+                dot8_q4_1: Rows8 {
+                    x1: x86_rows8::dot8_q4_1_avx2_x1,
+                    x2: x86_rows8::dot8_q4_1_avx2_x2,
+                    x4: x86_rows8::dot8_q4_1_avx2_x4,
+                },
+                dot8_q8: Rows8 {
+                    x1: x86_rows8::dot8_q8_avx2_x1,
+                    x2: x86_rows8::dot8_q8_avx2_x2,
+                    x4: x86_rows8::dot8_q8_avx2_x4,
+                },
             },
             _ => Kernels {
                 level: SimdLevel::Scalar,
@@ -107,8 +135,16 @@ impl Kernels {
                 dot4_q4_1: |w, a| w.map(|r| scalar::dot_q4_1(r, a)),
                 dot4_q8_0: |w, a| w.map(|r| scalar::dot_q8_0(r, a)),
                 dot4_q8x16: |w, a| w.map(|r| scalar::dot_q8x16(r, a)),
-                dot8_q4_1: scalar::dot8_q4_1,
-                dot8_q8: scalar::dot8_q8,
+                dot8_q4_1: Rows8 {
+                    x1: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
+                    x2: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
+                    x4: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
+                },
+                dot8_q8: Rows8 {
+                    x1: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
+                    x2: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
+                    x4: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
+                },
             },
         }
     }
@@ -573,7 +609,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::blocks::{f32_to_f16, quantize_activations};
+    use super::super::blocks::{f32_to_f16, quantize_activations, quantize_residual};
     use super::*;
     use rand::{Rng, SeedableRng};
 
@@ -643,6 +679,103 @@ mod tests {
                 close((k.dot_f32)(&fa, &fb), (s.dot_f32)(&fa, &fb)),
                 "{level:?} f32"
             );
+        }
+    }
+
+    #[test]
+    fn eight_row_kernels_match_scalar_at_every_row_count() {
+        let mut r = rng();
+        let n = 18;
+        let q4: Vec<BlockQ4_1x8> = (0..n)
+            .map(|_| {
+                let rows: [BlockQ4_1; 8] = std::array::from_fn(|_| BlockQ4_1 {
+                    d: f32_to_f16(r.random_range(0.001..0.1)),
+                    m: f32_to_f16(r.random_range(-0.5..0.0)),
+                    qs: std::array::from_fn(|_| r.random()),
+                });
+                BlockQ4_1x8::pack(std::array::from_fn(|i| &rows[i]))
+            })
+            .collect();
+        let q8: Vec<BlockQ8x8> = (0..n)
+            .map(|_| {
+                let vals: [[i8; 32]; 8] =
+                    std::array::from_fn(|_| std::array::from_fn(|_| r.random()));
+                let d =
+                    [0, 1].map(|_| std::array::from_fn(|_| f32_to_f16(r.random_range(-0.1..0.1))));
+                BlockQ8x8::pack(std::array::from_fn(|i| &vals[i]), d)
+            })
+            .collect();
+        let a: Vec<Vec<BlockQ8Act>> = (0..4).map(|_| acts(n)).collect();
+        let want4: Vec<[f32; 8]> = a.iter().map(|ar| scalar::dot8_q4_1(&q4, ar)).collect();
+        let want8: Vec<[f32; 8]> = a.iter().map(|ar| scalar::dot8_q8(&q8, ar)).collect();
+        let same = |got: &[[f32; 8]], want: &[[f32; 8]], what: &str| {
+            for (g, w) in got.iter().zip(want) {
+                for (x, y) in g.iter().zip(w) {
+                    assert!(close(*x, *y), "{what}: {x} vs {y}");
+                }
+            }
+        };
+        for level in SimdLevel::available() {
+            let k = Kernels::for_level(level);
+            let (kern, w, want) = (&k.dot8_q4_1, &q4, &want4);
+            same(
+                &(kern.x1)(w, [&a[0]]),
+                &want[..1],
+                &format!("{level:?} q4_1 x1"),
+            );
+            same(
+                &(kern.x2)(w, [&a[0], &a[1]]),
+                &want[..2],
+                &format!("{level:?} q4_1 x2"),
+            );
+            same(
+                &(kern.x4)(w, [&a[0], &a[1], &a[2], &a[3]]),
+                want,
+                &format!("{level:?} q4_1 x4"),
+            );
+            let kern = &k.dot8_q8;
+            same(
+                &(kern.x1)(&q8, [&a[0]]),
+                &want8[..1],
+                &format!("{level:?} q8 x1"),
+            );
+            same(
+                &(kern.x2)(&q8, [&a[0], &a[1]]),
+                &want8[..2],
+                &format!("{level:?} q8 x2"),
+            );
+            same(
+                &(kern.x4)(&q8, [&a[0], &a[1], &a[2], &a[3]]),
+                &want8,
+                &format!("{level:?} q8 x4"),
+            );
+        }
+    }
+
+    #[test]
+    fn two_level_activations_carry_about_sixteen_bits() {
+        let mut r = rng();
+        let x: Vec<f32> = (0..64 * 32)
+            .map(|i| r.random_range(-3.0..3.0) * if i % 97 == 0 { 40.0 } else { 1.0 })
+            .collect();
+        let mut hi = vec![BlockQ8Act::default(); 64];
+        let mut lo = vec![BlockQ8Act::default(); 64];
+        quantize_activations(&x, &mut hi);
+        quantize_residual(&x, &hi, &mut lo);
+        for (b, (h, l)) in hi.iter().zip(&lo).enumerate() {
+            assert_eq!(l.d, h.d / 254.0);
+            let mut sum = 0f32;
+            for j in 0..32 {
+                let v = h.d * h.qs[j] as f32 + l.d * l.qs[j] as f32;
+                let e = (v - x[b * 32 + j]).abs();
+                assert!(
+                    e <= l.d * 0.51,
+                    "block {b} elem {j}: error {e}, step {}",
+                    l.d
+                );
+                sum += l.d * l.qs[j] as f32;
+            }
+            assert!((l.s - sum).abs() <= 1e-3 * (1.0 + sum.abs()));
         }
     }
 }

@@ -7,73 +7,103 @@ use super::blocks::{BlockQ4_1x8, BlockQ8Act, BlockQ8x8};
 
 macro_rules! rows8_kernels {
     ($feat:literal, $acc:ident, $q4:ident, $q8:ident) => {
+        /// `T` activation rows against one group of eight weight rows: each weight block is loaded
+        /// and unpacked once for all `T` rows.
         #[target_feature(enable = $feat)]
-        unsafe fn $q4(w: &[BlockQ4_1x8], a: &[BlockQ8Act]) -> [f32; 8] {
-            assert!(w.len() >= a.len(), "weight blocks shorter than activations");
+        unsafe fn $q4<const T: usize>(w: &[BlockQ4_1x8], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+            let nb = a[0].len();
+            assert!(
+                w.len() >= nb && a.iter().all(|r| r.len() == nb),
+                "weight and activation block counts"
+            );
             let mask = _mm256_set1_epi8(0x0f);
-            let mut acc = _mm256_setzero_ps();
-            for (wb, ab) in w.iter().zip(a) {
+            let mut acc = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
                 unsafe {
-                    let ap = ab.qs.as_ptr() as *const i32;
+                    let wb = w.get_unchecked(b);
                     let qp = wb.qs.as_ptr() as *const __m256i;
-                    let (mut lo_sum, mut hi_sum) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    let mut lo_sum = [_mm256_setzero_si256(); T];
+                    let mut hi_sum = [_mm256_setzero_si256(); T];
                     for j in 0..4 {
                         let raw = _mm256_loadu_si256(qp.add(j));
                         let lo = _mm256_and_si256(raw, mask);
                         let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                        lo_sum = $acc(
-                            lo_sum,
-                            lo,
-                            _mm256_set1_epi32(ap.add(2 * j).read_unaligned()),
-                        );
-                        hi_sum = $acc(
-                            hi_sum,
-                            hi,
-                            _mm256_set1_epi32(ap.add(2 * j + 1).read_unaligned()),
-                        );
+                        for t in 0..T {
+                            let ap = a[t].get_unchecked(b).qs.as_ptr() as *const i32;
+                            lo_sum[t] = $acc(
+                                lo_sum[t],
+                                lo,
+                                _mm256_set1_epi32(ap.add(2 * j).read_unaligned()),
+                            );
+                            hi_sum[t] = $acc(
+                                hi_sum[t],
+                                hi,
+                                _mm256_set1_epi32(ap.add(2 * j + 1).read_unaligned()),
+                            );
+                        }
                     }
-                    let isum = _mm256_add_epi32(lo_sum, hi_sum);
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
                     let m = _mm256_cvtph_ps(_mm_loadu_si128(wb.m.as_ptr() as *const __m128i));
-                    let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab.d));
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
-                    acc = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), acc);
+                    for t in 0..T {
+                        let ab = a[t].get_unchecked(b);
+                        let isum = _mm256_add_epi32(lo_sum[t], hi_sum[t]);
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab.d));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
+                        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), acc[t]);
+                    }
                 }
             }
-            let mut out = [0f32; 8];
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+            let mut out = [[0f32; 8]; T];
+            for t in 0..T {
+                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+            }
             out
         }
 
         #[target_feature(enable = $feat)]
-        unsafe fn $q8(w: &[BlockQ8x8], a: &[BlockQ8Act]) -> [f32; 8] {
-            assert!(w.len() >= a.len(), "weight blocks shorter than activations");
-            let mut acc = _mm256_setzero_ps();
-            for (wb, ab) in w.iter().zip(a) {
+        unsafe fn $q8<const T: usize>(w: &[BlockQ8x8], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+            let nb = a[0].len();
+            assert!(
+                w.len() >= nb && a.iter().all(|r| r.len() == nb),
+                "weight and activation block counts"
+            );
+            let mut acc = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
                 unsafe {
-                    let ap = ab.qs.as_ptr() as *const i32;
+                    let wb = w.get_unchecked(b);
                     let qp = wb.qs.as_ptr() as *const __m256i;
-                    let mut sums = [_mm256_setzero_si256(); 2];
+                    let mut sums = [[_mm256_setzero_si256(); 2]; T];
                     for k in 0..8 {
                         let wv = _mm256_loadu_si256(qp.add(k));
-                        let av = _mm256_set1_epi32(ap.add(k).read_unaligned());
                         // The unsigned x signed instructions need |w|, and a carrying w's sign.
-                        sums[k / 4] = $acc(
-                            sums[k / 4],
-                            _mm256_sign_epi8(wv, wv),
-                            _mm256_sign_epi8(av, wv),
-                        );
+                        let wabs = _mm256_sign_epi8(wv, wv);
+                        for t in 0..T {
+                            let ap = a[t].get_unchecked(b).qs.as_ptr() as *const i32;
+                            let av = _mm256_set1_epi32(ap.add(k).read_unaligned());
+                            sums[t][k / 4] = $acc(sums[t][k / 4], wabs, _mm256_sign_epi8(av, wv));
+                        }
                     }
-                    let da = _mm256_set1_ps(ab.d);
-                    for (h, sum) in sums.iter().enumerate() {
-                        let d =
-                            _mm256_cvtph_ps(_mm_loadu_si128(wb.d[h].as_ptr() as *const __m128i));
-                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*sum), _mm256_mul_ps(d, da), acc);
+                    let d0 = _mm256_cvtph_ps(_mm_loadu_si128(wb.d[0].as_ptr() as *const __m128i));
+                    let d1 = _mm256_cvtph_ps(_mm_loadu_si128(wb.d[1].as_ptr() as *const __m128i));
+                    for t in 0..T {
+                        let da = _mm256_set1_ps(a[t].get_unchecked(b).d);
+                        acc[t] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(sums[t][0]),
+                            _mm256_mul_ps(d0, da),
+                            acc[t],
+                        );
+                        acc[t] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(sums[t][1]),
+                            _mm256_mul_ps(d1, da),
+                            acc[t],
+                        );
                     }
                 }
             }
-            let mut out = [0f32; 8];
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+            let mut out = [[0f32; 8]; T];
+            for t in 0..T {
+                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+            }
             out
         }
     };
@@ -103,16 +133,24 @@ rows8_kernels!(
     dot8_q8_vnni
 );
 
-// Safe entry points: only installed in a `Kernels` after `SimdLevel::detect` saw the features.
-pub fn dot8_q4_1_avx2_safe(w: &[BlockQ4_1x8], a: &[BlockQ8Act]) -> [f32; 8] {
-    unsafe { dot8_q4_1_avx2(w, a) }
+/// Safe entry points, `T` activation rows at a time: only installed in a `Kernels` after
+/// `SimdLevel::detect` saw the features.
+macro_rules! safe_entry {
+    ($name:ident, $inner:ident, $w:ty, $t:literal) => {
+        pub fn $name(w: &[$w], a: [&[BlockQ8Act]; $t]) -> [[f32; 8]; $t] {
+            unsafe { $inner::<$t>(w, a) }
+        }
+    };
 }
-pub fn dot8_q8_avx2_safe(w: &[BlockQ8x8], a: &[BlockQ8Act]) -> [f32; 8] {
-    unsafe { dot8_q8_avx2(w, a) }
-}
-pub fn dot8_q4_1_vnni_safe(w: &[BlockQ4_1x8], a: &[BlockQ8Act]) -> [f32; 8] {
-    unsafe { dot8_q4_1_vnni(w, a) }
-}
-pub fn dot8_q8_vnni_safe(w: &[BlockQ8x8], a: &[BlockQ8Act]) -> [f32; 8] {
-    unsafe { dot8_q8_vnni(w, a) }
-}
+safe_entry!(dot8_q4_1_avx2_x1, dot8_q4_1_avx2, BlockQ4_1x8, 1);
+safe_entry!(dot8_q4_1_avx2_x2, dot8_q4_1_avx2, BlockQ4_1x8, 2);
+safe_entry!(dot8_q4_1_avx2_x4, dot8_q4_1_avx2, BlockQ4_1x8, 4);
+safe_entry!(dot8_q8_avx2_x1, dot8_q8_avx2, BlockQ8x8, 1);
+safe_entry!(dot8_q8_avx2_x2, dot8_q8_avx2, BlockQ8x8, 2);
+safe_entry!(dot8_q8_avx2_x4, dot8_q8_avx2, BlockQ8x8, 4);
+safe_entry!(dot8_q4_1_vnni_x1, dot8_q4_1_vnni, BlockQ4_1x8, 1);
+safe_entry!(dot8_q4_1_vnni_x2, dot8_q4_1_vnni, BlockQ4_1x8, 2);
+safe_entry!(dot8_q4_1_vnni_x4, dot8_q4_1_vnni, BlockQ4_1x8, 4);
+safe_entry!(dot8_q8_vnni_x1, dot8_q8_vnni, BlockQ8x8, 1);
+safe_entry!(dot8_q8_vnni_x2, dot8_q8_vnni, BlockQ8x8, 2);
+safe_entry!(dot8_q8_vnni_x4, dot8_q8_vnni, BlockQ8x8, 4);
