@@ -12,7 +12,9 @@ thread_local! {
 }
 use crate::backend::SeqSpan;
 
-/// K and V of every layer: `[n_blocks * block_size, kv_width]` each.
+/// K and V of every layer. V is `[n_blocks * block_size, kv_width]`, one row per cached position. K is
+/// transposed inside each block, `[n_blocks][kv_head][head_dim][block_size]`, so the scores of
+/// consecutive positions come out of one SIMD multiply-add per dimension, with no horizontal sums.
 pub struct CpuKvStore {
     pub block_size: usize,
     pub kv_width: usize,
@@ -31,9 +33,16 @@ impl CpuKvStore {
         }
     }
 
-    #[inline]
-    fn slot(&self, table: &[u32], pos: usize) -> usize {
-        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    /// Writes position `pos`'s K row (`[kv_head][head_dim]`) and V row into their slots.
+    fn store(&mut self, layer: usize, table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+        let (bs, w) = (self.block_size, self.kv_width);
+        let (phys, i) = (table[pos / bs] as usize, pos % bs);
+        let (kc, vc) = &mut self.layers[layer];
+        vc[(phys * bs + i) * w..(phys * bs + i + 1) * w].copy_from_slice(v);
+        let kt = &mut kc[phys * bs * w..(phys + 1) * bs * w];
+        for (c, &x) in k.iter().enumerate() {
+            kt[c * bs + i] = x;
+        }
     }
 }
 
@@ -62,12 +71,13 @@ pub fn attention(
     for s in spans {
         for i in 0..s.n_tokens {
             let row = &qkv.data[(s.first_token + i) * qkv.cols..(s.first_token + i + 1) * qkv.cols];
-            let slot = kv.slot(s.block_table, s.start_pos + i);
-            let (kc, vc) = &mut kv.layers[layer];
-            kc[slot * kv_width..(slot + 1) * kv_width]
-                .copy_from_slice(&row[q_width..q_width + kv_width]);
-            vc[slot * kv_width..(slot + 1) * kv_width]
-                .copy_from_slice(&row[q_width + kv_width..q_width + 2 * kv_width]);
+            kv.store(
+                layer,
+                s.block_table,
+                s.start_pos + i,
+                &row[q_width..q_width + kv_width],
+                &row[q_width + kv_width..q_width + 2 * kv_width],
+            );
         }
     }
     // 2. One task per (token, KV head): the query heads sharing a KV head read each K/V row once.
@@ -136,24 +146,7 @@ struct Job<'a> {
     scale: f32,
 }
 
-/// 16 independent lanes: the compiler turns this into SIMD without reassociating a reduction.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let n = a.len() / 16 * 16;
-    for (ca, cb) in a[..n].chunks_exact(16).zip(b[..n].chunks_exact(16)) {
-        for l in 0..16 {
-            acc[l] += ca[l] * cb[l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for i in n..a.len() {
-        s += a[i] * b[i];
-    }
-    s
-}
-
-/// The cache rows of positions `0..n_ctx`, block by block: `(first position, first row offset, rows)`.
+/// The cache rows of positions `0..n_ctx`, block by block: `(first position, physical block, rows)`.
 /// Walking blocks keeps divisions out of the per-position loops.
 #[inline(always)]
 fn runs<'a>(j: &'a Job<'_>) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
@@ -161,24 +154,57 @@ fn runs<'a>(j: &'a Job<'_>) -> impl Iterator<Item = (usize, usize, usize)> + 'a 
     j.table
         .iter()
         .enumerate()
-        .map(move |(b, &phys)| (b * bs, phys as usize * bs))
+        .map(move |(b, &phys)| (b * bs, phys as usize))
         .take_while(move |&(first, _)| first < j.n_ctx)
-        .map(move |(first, base)| (first, base, bs.min(j.n_ctx - first)))
+        .map(move |(first, phys)| (first, phys, bs.min(j.n_ctx - first)))
 }
 
-// Plain loops, no closures: everything here inlines into `attend_avx2` and is compiled for its
-// target features (a closure body would be a separate function compiled for the baseline).
+/// Positions per score lane group and dimensions per output lane group: two 256-bit registers.
+const LANES: usize = 16;
+/// Independent accumulators per lane group, so the multiply-adds do not wait on each other.
+const SPLIT: usize = 4;
+
+// Plain loops over fixed-size arrays, no closures: everything here inlines into `attend_avx2` and
+// is compiled for its target features (a closure body would be compiled for the baseline).
 #[inline(always)]
 fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    let (hd, n) = (j.head_dim, j.n_ctx);
+    let (hd, n, bs) = (j.head_dim, j.n_ctx, j.kv.block_size);
     scores.clear();
     scores.resize(j.group * n, 0.0);
-    for (first, base, len) in runs(j) {
-        for i in 0..len {
-            let off = (base + i) * j.kv_width + j.kv_offset;
-            let kr = &j.kc[off..off + hd];
-            for g in 0..j.group {
-                scores[g * n + first + i] = dot(&j.q[g * hd..(g + 1) * hd], kr) * j.scale;
+    // Scores: K is transposed per block, so LANES positions accumulate side by side. A block's
+    // unused tail slots hold stale (finite) values; their lanes are computed and dropped.
+    let lanes_fit = bs.is_multiple_of(LANES) && hd.is_multiple_of(SPLIT);
+    for (first, phys, len) in runs(j) {
+        let kt = &j.kc[(phys * j.kv_width + j.kv_offset) * bs..][..hd * bs];
+        for g in 0..j.group {
+            let q = &j.q[g * hd..(g + 1) * hd];
+            let sc = &mut scores[g * n + first..g * n + first + len];
+            let mut c0 = 0;
+            while lanes_fit && c0 < len {
+                let mut acc = [[0f32; LANES]; SPLIT];
+                for e0 in (0..hd).step_by(SPLIT) {
+                    for (u, a) in acc.iter_mut().enumerate() {
+                        let qe = q[e0 + u];
+                        let kr: &[f32; LANES] = kt[(e0 + u) * bs + c0..][..LANES]
+                            .try_into()
+                            .expect("LANES-wide slice");
+                        for l in 0..LANES {
+                            a[l] += qe * kr[l];
+                        }
+                    }
+                }
+                let take = LANES.min(len - c0);
+                for l in 0..take {
+                    sc[c0 + l] = (acc[0][l] + acc[1][l] + acc[2][l] + acc[3][l]) * j.scale;
+                }
+                c0 += LANES;
+            }
+            for (i, s) in sc.iter_mut().enumerate().skip(c0) {
+                let mut acc = 0f32;
+                for (e, &qe) in q.iter().enumerate() {
+                    acc += qe * kt[e * bs + i];
+                }
+                *s = acc * j.scale;
             }
         }
     }
@@ -198,18 +224,51 @@ fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
             *v *= inv;
         }
     }
-    out.fill(0.0);
-    for (first, base, len) in runs(j) {
-        for i in 0..len {
-            let off = (base + i) * j.kv_width + j.kv_offset;
-            let vr = &j.vc[off..off + hd];
-            for g in 0..j.group {
-                let w = scores[g * n + first + i];
-                let o = &mut out[g * hd..(g + 1) * hd];
-                for e in 0..hd {
-                    o[e] += w * vr[e];
+    // Weighted V rows: 2 * LANES output dimensions stay in registers while the positions stream
+    // by, even and odd positions in separate accumulators.
+    const WIDE: usize = 2 * LANES;
+    for g in 0..j.group {
+        let sc = &scores[g * n..(g + 1) * n];
+        let o = &mut out[g * hd..(g + 1) * hd];
+        let mut d0 = 0;
+        while d0 + WIDE <= hd {
+            let mut acc = [[0f32; WIDE]; 2];
+            for (first, phys, len) in runs(j) {
+                let row = |i: usize| -> &[f32; WIDE] {
+                    let off = (phys * bs + i) * j.kv_width + j.kv_offset + d0;
+                    j.vc[off..off + WIDE].try_into().expect("WIDE slice")
+                };
+                let mut i = 0;
+                while i + 2 <= len {
+                    let (w0, w1) = (sc[first + i], sc[first + i + 1]);
+                    let (v0, v1) = (row(i), row(i + 1));
+                    for l in 0..WIDE {
+                        acc[0][l] += w0 * v0[l];
+                        acc[1][l] += w1 * v1[l];
+                    }
+                    i += 2;
+                }
+                if i < len {
+                    let (w0, v0) = (sc[first + i], row(i));
+                    for l in 0..WIDE {
+                        acc[0][l] += w0 * v0[l];
+                    }
                 }
             }
+            for l in 0..WIDE {
+                o[d0 + l] = acc[0][l] + acc[1][l];
+            }
+            d0 += WIDE;
+        }
+        // Dimensions past the last full WIDE group (head sizes not a multiple of 32).
+        for d in d0..hd {
+            let mut acc = 0f32;
+            for (first, phys, len) in runs(j) {
+                for i in 0..len {
+                    acc += sc[first + i] * j.vc[(phys * bs + i) * j.kv_width + j.kv_offset + d];
+                }
+            }
+            o[d] = acc;
         }
     }
 }

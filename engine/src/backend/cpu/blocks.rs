@@ -42,40 +42,73 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 
 /// Quantizes one row (`x.len()` a multiple of 32) the way ggml's `quantize_row_q8_1` does.
 pub fn quantize_activations(x: &[f32], out: &mut [BlockQ8Act]) {
-    for (xb, ob) in x.chunks_exact(QBLOCK).zip(out.iter_mut()) {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, v) in ob.qs.iter_mut().zip(xb) {
-            // Round to nearest (ties to even) by the 1.5 * 2^23 trick: plain arithmetic that compiles to
-            // SIMD, where `f32::round` is a libm call. |v * id| <= 127, far inside the trick's range.
-            let r = ((v * id + ROUND_MAGIC) - ROUND_MAGIC) as i32;
-            *q = r as i8;
-            sum += r;
-        }
-        ob.d = d;
-        ob.s = d * sum as f32;
-    }
+    quantize_row(x, out, None);
 }
 
 /// The second level of two-level activations: what `hi` (from `quantize_activations`) left out,
 /// `x - hi.d * hi.q`, in steps of `hi.d / 254`. Since `|x - hi.d * hi.q| <= hi.d / 2`, the levels fit
 /// in -127..=127, and `hi + lo` carries ~16 bits per value for the cost of a second integer dot
 /// product.
-pub fn quantize_residual(x: &[f32], hi: &[BlockQ8Act], lo: &mut [BlockQ8Act]) {
-    for ((xb, hb), lb) in x.chunks_exact(QBLOCK).zip(hi).zip(lo.iter_mut()) {
-        let d = hb.d / 254.0;
-        let id = if hb.d != 0.0 { 254.0 / hb.d } else { 0.0 };
-        let mut sum = 0i32;
-        for ((q, v), h) in lb.qs.iter_mut().zip(xb).zip(&hb.qs) {
-            let r = (v - hb.d * *h as f32) * id;
-            let r = (((r + ROUND_MAGIC) - ROUND_MAGIC) as i32).clamp(-127, 127);
-            *q = r as i8;
-            sum += r;
+pub fn quantize_two_level(x: &[f32], hi: &mut [BlockQ8Act], lo: &mut [BlockQ8Act]) {
+    quantize_row(x, hi, Some(lo));
+}
+
+fn quantize_row(x: &[f32], hi: &mut [BlockQ8Act], lo: Option<&mut [BlockQ8Act]>) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        unsafe { quantize_row_avx2(x, hi, lo) };
+        return;
+    }
+    quantize_row_portable(x, hi, lo);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_avx2(x: &[f32], hi: &mut [BlockQ8Act], lo: Option<&mut [BlockQ8Act]>) {
+    quantize_row_portable(x, hi, lo)
+}
+
+// Fixed-size arrays and lane-wise maxima, so the same code vectorizes at each target level.
+#[inline(always)]
+fn quantize_row_portable(x: &[f32], hi: &mut [BlockQ8Act], mut lo: Option<&mut [BlockQ8Act]>) {
+    for (b, (xb, hb)) in x.chunks_exact(QBLOCK).zip(hi.iter_mut()).enumerate() {
+        let xb: &[f32; QBLOCK] = xb.try_into().expect("32-value block");
+        let mut lane_max = [0f32; 8];
+        for c in xb.chunks_exact(8) {
+            for l in 0..8 {
+                lane_max[l] = lane_max[l].max(c[l].abs());
+            }
         }
-        lb.d = d;
-        lb.s = d * sum as f32;
+        let amax = lane_max.iter().fold(0f32, |m, &v| m.max(v));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut q = [0i32; QBLOCK];
+        for l in 0..QBLOCK {
+            // Round to nearest (ties to even) by the 1.5 * 2^23 trick: plain arithmetic that compiles
+            // to SIMD, where `f32::round` is a libm call. |v * id| <= 127, far inside its range.
+            q[l] = ((xb[l] * id + ROUND_MAGIC) - ROUND_MAGIC) as i32;
+        }
+        for l in 0..QBLOCK {
+            hb.qs[l] = q[l] as i8;
+        }
+        hb.d = d;
+        hb.s = d * q.iter().sum::<i32>() as f32;
+        if let Some(lo) = lo.as_deref_mut() {
+            let lb = &mut lo[b];
+            let dl = d / 254.0;
+            let idl = if d != 0.0 { 254.0 / d } else { 0.0 };
+            let mut r = [0i32; QBLOCK];
+            for l in 0..QBLOCK {
+                let v = (xb[l] - d * q[l] as f32) * idl;
+                r[l] = (((v + ROUND_MAGIC) - ROUND_MAGIC) as i32).clamp(-127, 127);
+            }
+            for l in 0..QBLOCK {
+                lb.qs[l] = r[l] as i8;
+            }
+            lb.d = dl;
+            lb.s = dl * r.iter().sum::<i32>() as f32;
+        }
     }
 }
 

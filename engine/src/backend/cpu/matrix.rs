@@ -6,7 +6,7 @@ use rayon::prelude::*;
 use super::CpuBuffer;
 use super::blocks::{
     BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8Act, BlockQ8x8, BlockQ8x16, QBLOCK, f32_to_f16,
-    quantize_activations, quantize_residual,
+    quantize_activations, quantize_two_level,
 };
 use super::simd::Kernels;
 use super::team::Team;
@@ -542,10 +542,11 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
 fn quantize_rows(x: &CpuBuffer, nb: usize, levels: usize) -> Vec<BlockQ8Act> {
     let mut a = vec![BlockQ8Act::default(); x.rows * levels * nb];
     let quantize = |(ab, xr): (&mut [BlockQ8Act], &[f32])| {
-        let (hi, lo) = ab.split_at_mut(nb);
-        quantize_activations(xr, hi);
         if levels == 2 {
-            quantize_residual(xr, hi, lo);
+            let (hi, lo) = ab.split_at_mut(nb);
+            quantize_two_level(xr, hi, lo);
+        } else {
+            quantize_activations(xr, ab);
         }
     };
     if x.rows >= 8 {

@@ -609,7 +609,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::blocks::{f32_to_f16, quantize_activations, quantize_residual};
+    use super::super::blocks::{f32_to_f16, quantize_activations, quantize_two_level};
     use super::*;
     use rand::{Rng, SeedableRng};
 
@@ -760,8 +760,7 @@ mod tests {
             .collect();
         let mut hi = vec![BlockQ8Act::default(); 64];
         let mut lo = vec![BlockQ8Act::default(); 64];
-        quantize_activations(&x, &mut hi);
-        quantize_residual(&x, &hi, &mut lo);
+        quantize_two_level(&x, &mut hi, &mut lo);
         for (b, (h, l)) in hi.iter().zip(&lo).enumerate() {
             assert_eq!(l.d, h.d / 254.0);
             let mut sum = 0f32;
