@@ -166,6 +166,8 @@ const SPLIT: usize = 4;
 
 // Plain loops over fixed-size arrays, no closures: everything here inlines into `attend_avx2` and
 // is compiled for its target features (a closure body would be compiled for the baseline).
+// Index loops over fixed-size arrays are what vectorizes here.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let (hd, n, bs) = (j.head_dim, j.n_ctx, j.kv.block_size);

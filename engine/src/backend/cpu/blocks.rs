@@ -40,15 +40,19 @@ pub const QBLOCK: usize = 32;
 
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
+/// `hi.d == lo.d * 2^LO_SHIFT` for two-level activations.
+pub const LO_SHIFT: i32 = 7;
+
 /// Quantizes one row (`x.len()` a multiple of 32) the way ggml's `quantize_row_q8_1` does.
 pub fn quantize_activations(x: &[f32], out: &mut [BlockQ8Act]) {
     quantize_row(x, out, None);
 }
 
 /// The second level of two-level activations: what `hi` (from `quantize_activations`) left out,
-/// `x - hi.d * hi.q`, in steps of `hi.d / 254`. Since `|x - hi.d * hi.q| <= hi.d / 2`, the levels fit
-/// in -127..=127, and `hi + lo` carries ~16 bits per value for the cost of a second integer dot
-/// product.
+/// `x - hi.d * hi.q`, in steps of `lo.d = hi.d / 128` (`LO_SHIFT`). Since `|x - hi.d * hi.q| <=
+/// hi.d / 2`, the levels fit in -64..=64, `hi + lo` carries ~15 bits per value for the cost of a
+/// second integer dot product, and the power-of-two ratio lets kernels combine the two integer sums
+/// exactly as `(hi_sum << 7) + lo_sum` before one conversion to float.
 pub fn quantize_two_level(x: &[f32], hi: &mut [BlockQ8Act], lo: &mut [BlockQ8Act]) {
     quantize_row(x, hi, Some(lo));
 }
@@ -70,6 +74,8 @@ unsafe fn quantize_row_avx2(x: &[f32], hi: &mut [BlockQ8Act], lo: Option<&mut [B
 }
 
 // Fixed-size arrays and lane-wise maxima, so the same code vectorizes at each target level.
+// Index loops over fixed-size arrays are what vectorizes here.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn quantize_row_portable(x: &[f32], hi: &mut [BlockQ8Act], mut lo: Option<&mut [BlockQ8Act]>) {
     for (b, (xb, hb)) in x.chunks_exact(QBLOCK).zip(hi.iter_mut()).enumerate() {
@@ -96,12 +102,16 @@ fn quantize_row_portable(x: &[f32], hi: &mut [BlockQ8Act], mut lo: Option<&mut [
         hb.s = d * q.iter().sum::<i32>() as f32;
         if let Some(lo) = lo.as_deref_mut() {
             let lb = &mut lo[b];
-            let dl = d / 254.0;
-            let idl = if d != 0.0 { 254.0 / d } else { 0.0 };
+            let dl = d / (1 << LO_SHIFT) as f32;
+            let idl = if d != 0.0 {
+                (1 << LO_SHIFT) as f32 / d
+            } else {
+                0.0
+            };
             let mut r = [0i32; QBLOCK];
             for l in 0..QBLOCK {
                 let v = (xb[l] - d * q[l] as f32) * idl;
-                r[l] = (((v + ROUND_MAGIC) - ROUND_MAGIC) as i32).clamp(-127, 127);
+                r[l] = (((v + ROUND_MAGIC) - ROUND_MAGIC) as i32).clamp(-64, 64);
             }
             for l in 0..QBLOCK {
                 lb.qs[l] = r[l] as i8;

@@ -40,7 +40,7 @@ pub struct CpuMatrix {
     pub cols: usize,
     pub parts: Vec<Part>,
     /// Activation rows per input row for the quantized parts: 1 (8-bit) or 2 (8-bit plus the 8-bit
-    /// residual, ~16 bits).
+    /// residual, ~15 bits).
     pub act_levels: usize,
 }
 
@@ -215,7 +215,7 @@ impl CpuMatrix {
             parts: prepared,
             // Two levels: single 8-bit activations (llama.cpp's choice) move SmolLM2-135M's logits by
             // up to 6% of their range and flip greedy tokens with margins near 0.2; two levels bring
-            // that to ~3e-4 for a second integer dot product on weights already unpacked.
+            // that to ~6e-4 for a second integer dot product on weights already unpacked.
             act_levels: 2,
         })
     }
@@ -413,35 +413,54 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
             Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
                 let groups = p.rows / 8;
                 let chunk = chunk_rows(groups, n).div_ceil(4).max(1);
-                let n_act = n * levels;
                 team.run(groups.div_ceil(chunk), &|c| {
                     let op = out_ptr;
                     let (g0, g1) = (c * chunk, ((c + 1) * chunk).min(groups));
                     let act = |r: usize| &acts[r * nb..(r + 1) * nb];
-                    // Up to four activation rows per pass over this chunk's weights (which stay in
-                    // L1 between passes); a pass holds whole tokens, so its rows fold into outputs.
-                    let mut r = 0;
-                    while r < n_act {
-                        let take = match n_act - r {
+                    // Row `l` of token `t`'s activations.
+                    let row = |t: usize, l: usize| act(t * levels + l);
+                    // Up to four tokens per pass over this chunk's weights, which stay in L1
+                    // between passes.
+                    let mut t0 = 0;
+                    while t0 < n {
+                        let take = match n - t0 {
                             4.. => 4,
                             2 | 3 => 2,
                             _ => 1,
                         };
+                        let hi = |i: usize| row(t0 + i, 0);
+                        let lo = |i: usize| row(t0 + i, 1);
                         for g in g0..g1 {
                             let mut vals = [[0f32; 8]; 4];
                             macro_rules! run {
                                 ($kern:expr, $b:expr) => {{
                                     let wg = &$b[g * nb..(g + 1) * nb];
-                                    match take {
-                                        4 => {
-                                            vals = ($kern.x4)(
+                                    match (take, levels) {
+                                        (4, 1) => {
+                                            vals = ($kern.x4)(wg, [hi(0), hi(1), hi(2), hi(3)])
+                                        }
+                                        (2, 1) => vals[..2]
+                                            .copy_from_slice(&($kern.x2)(wg, [hi(0), hi(1)])),
+                                        (_, 1) => {
+                                            vals[..1].copy_from_slice(&($kern.x1)(wg, [hi(0)]))
+                                        }
+                                        (4, _) => {
+                                            vals = ($kern.p4)(
                                                 wg,
-                                                [act(r), act(r + 1), act(r + 2), act(r + 3)],
+                                                [hi(0), hi(1), hi(2), hi(3)],
+                                                [lo(0), lo(1), lo(2), lo(3)],
                                             )
                                         }
-                                        2 => vals[..2]
-                                            .copy_from_slice(&($kern.x2)(wg, [act(r), act(r + 1)])),
-                                        _ => vals[..1].copy_from_slice(&($kern.x1)(wg, [act(r)])),
+                                        (2, _) => vals[..2].copy_from_slice(&($kern.p2)(
+                                            wg,
+                                            [hi(0), hi(1)],
+                                            [lo(0), lo(1)],
+                                        )),
+                                        _ => vals[..1].copy_from_slice(&($kern.p1)(
+                                            wg,
+                                            [hi(0)],
+                                            [lo(0)],
+                                        )),
                                     }
                                 }};
                             }
@@ -450,24 +469,19 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                                 Rows::Q8x8(b) => run!(k.dot8_q8, b),
                                 _ => unreachable!("matched above"),
                             }
-                            for i in (0..take).step_by(levels) {
-                                let mut o = vals[i];
-                                for v in &vals[i + 1..i + levels] {
-                                    o.iter_mut().zip(v).for_each(|(a, b)| *a += b);
-                                }
-                                let t = (r + i) / levels;
-                                // SAFETY: rows 8g..8g+8 of token t are inside out and owned by this
-                                // chunk.
+                            for (i, o) in vals[..take].iter().enumerate() {
+                                // SAFETY: rows 8g..8g+8 of token t0 + i are inside out and owned by
+                                // this chunk.
                                 unsafe {
                                     std::ptr::copy_nonoverlapping(
                                         o.as_ptr(),
-                                        op.0.add(t * out_stride + col0 + 8 * g),
+                                        op.0.add((t0 + i) * out_stride + col0 + 8 * g),
                                         8,
                                     )
                                 };
                             }
                         }
-                        r += take;
+                        t0 += take;
                     }
                 });
             }

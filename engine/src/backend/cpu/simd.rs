@@ -53,12 +53,25 @@ impl SimdLevel {
 /// Eight weight rows against `T` activation rows: `T` results of eight rows each.
 pub type Rows8Fn<W, const T: usize> = fn(&[W], [&[BlockQ8Act]; T]) -> [[f32; 8]; T];
 
-/// One eight-row kernel at three activation-row counts.
+/// Eight weight rows against `T` two-level activation rows, given as their `hi` and `lo` levels.
+pub type Pairs8Fn<W, const T: usize> =
+    fn(&[W], [&[BlockQ8Act]; T], [&[BlockQ8Act]; T]) -> [[f32; 8]; T];
+
+/// One eight-row kernel at three activation-row counts, for single-level rows (`x*`) and for
+/// two-level rows (`p*`).
 #[derive(Clone, Copy)]
 pub struct Rows8<W: 'static> {
     pub x1: Rows8Fn<W, 1>,
     pub x2: Rows8Fn<W, 2>,
     pub x4: Rows8Fn<W, 4>,
+    pub p1: Pairs8Fn<W, 1>,
+    pub p2: Pairs8Fn<W, 2>,
+    pub p4: Pairs8Fn<W, 4>,
+}
+
+/// A two-level result from two single-level ones (`hi` and `lo` are ordinary activation rows).
+fn sum_levels<const T: usize>(h: [[f32; 8]; T], l: [[f32; 8]; T]) -> [[f32; 8]; T] {
+    std::array::from_fn(|t| std::array::from_fn(|i| h[t][i] + l[t][i]))
 }
 
 /// The kernel set of one SIMD level.
@@ -98,11 +111,17 @@ impl Kernels {
                     x1: x86_rows8::dot8_q4_1_vnni_x1,
                     x2: x86_rows8::dot8_q4_1_vnni_x2,
                     x4: x86_rows8::dot8_q4_1_vnni_x4,
+                    p1: x86_rows8::dot8_q4_1_vnni_p1,
+                    p2: x86_rows8::dot8_q4_1_vnni_p2,
+                    p4: x86_rows8::dot8_q4_1_vnni_p4,
                 },
                 dot8_q8: Rows8 {
                     x1: x86_rows8::dot8_q8_vnni_x1,
                     x2: x86_rows8::dot8_q8_vnni_x2,
                     x4: x86_rows8::dot8_q8_vnni_x4,
+                    p1: x86_rows8::dot8_q8_vnni_p1,
+                    p2: x86_rows8::dot8_q8_vnni_p2,
+                    p4: x86_rows8::dot8_q8_vnni_p4,
                 },
             },
             #[cfg(target_arch = "x86_64")]
@@ -119,11 +138,25 @@ impl Kernels {
                     x1: x86_rows8::dot8_q4_1_avx2_x1,
                     x2: x86_rows8::dot8_q4_1_avx2_x2,
                     x4: x86_rows8::dot8_q4_1_avx2_x4,
+                    p1: x86_rows8::dot8_q4_1_avx2_p1,
+                    p2: x86_rows8::dot8_q4_1_avx2_p2,
+                    p4: |w, h, l| {
+                        let a = x86_rows8::dot8_q4_1_avx2_p2(w, [h[0], h[1]], [l[0], l[1]]);
+                        let b = x86_rows8::dot8_q4_1_avx2_p2(w, [h[2], h[3]], [l[2], l[3]]);
+                        [a[0], a[1], b[0], b[1]]
+                    },
                 },
                 dot8_q8: Rows8 {
                     x1: x86_rows8::dot8_q8_avx2_x1,
                     x2: x86_rows8::dot8_q8_avx2_x2,
                     x4: x86_rows8::dot8_q8_avx2_x4,
+                    p1: x86_rows8::dot8_q8_avx2_p1,
+                    p2: x86_rows8::dot8_q8_avx2_p2,
+                    p4: |w, h, l| {
+                        let a = x86_rows8::dot8_q8_avx2_p2(w, [h[0], h[1]], [l[0], l[1]]);
+                        let b = x86_rows8::dot8_q8_avx2_p2(w, [h[2], h[3]], [l[2], l[3]]);
+                        [a[0], a[1], b[0], b[1]]
+                    },
                 },
             },
             _ => Kernels {
@@ -139,11 +172,47 @@ impl Kernels {
                     x1: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
                     x2: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
                     x4: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
+                    p1: |w, h, l| {
+                        sum_levels(
+                            h.map(|r| scalar::dot8_q4_1(w, r)),
+                            l.map(|r| scalar::dot8_q4_1(w, r)),
+                        )
+                    },
+                    p2: |w, h, l| {
+                        sum_levels(
+                            h.map(|r| scalar::dot8_q4_1(w, r)),
+                            l.map(|r| scalar::dot8_q4_1(w, r)),
+                        )
+                    },
+                    p4: |w, h, l| {
+                        sum_levels(
+                            h.map(|r| scalar::dot8_q4_1(w, r)),
+                            l.map(|r| scalar::dot8_q4_1(w, r)),
+                        )
+                    },
                 },
                 dot8_q8: Rows8 {
                     x1: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
                     x2: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
                     x4: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
+                    p1: |w, h, l| {
+                        sum_levels(
+                            h.map(|r| scalar::dot8_q8(w, r)),
+                            l.map(|r| scalar::dot8_q8(w, r)),
+                        )
+                    },
+                    p2: |w, h, l| {
+                        sum_levels(
+                            h.map(|r| scalar::dot8_q8(w, r)),
+                            l.map(|r| scalar::dot8_q8(w, r)),
+                        )
+                    },
+                    p4: |w, h, l| {
+                        sum_levels(
+                            h.map(|r| scalar::dot8_q8(w, r)),
+                            l.map(|r| scalar::dot8_q8(w, r)),
+                        )
+                    },
                 },
             },
         }
@@ -733,7 +802,70 @@ mod tests {
                 want,
                 &format!("{level:?} q4_1 x4"),
             );
+            // Two-level pairs: hi and lo from one row of values, against the sum of both levels.
+            let (h, l): (Vec<_>, Vec<_>) = a
+                .iter()
+                .map(|_| {
+                    let x: Vec<f32> = (0..n * 32).map(|_| r.random_range(-3.0..3.0)).collect();
+                    let mut h = vec![BlockQ8Act::default(); n];
+                    let mut l = vec![BlockQ8Act::default(); n];
+                    quantize_two_level(&x, &mut h, &mut l);
+                    (h, l)
+                })
+                .unzip();
+            let (kern, name) = (&k.dot8_q4_1, "q4_1");
+            let want: Vec<[f32; 8]> = (0..4)
+                .map(|t| {
+                    let (a, b) = (scalar::dot8_q4_1(&q4, &h[t]), scalar::dot8_q4_1(&q4, &l[t]));
+                    std::array::from_fn(|i| a[i] + b[i])
+                })
+                .collect();
+            same(
+                &(kern.p1)(&q4, [&h[0]], [&l[0]]),
+                &want[..1],
+                &format!("{level:?} {name} p1"),
+            );
+            same(
+                &(kern.p2)(&q4, [&h[0], &h[1]], [&l[0], &l[1]]),
+                &want[..2],
+                &format!("{level:?} {name} p2"),
+            );
+            same(
+                &(kern.p4)(
+                    &q4,
+                    [&h[0], &h[1], &h[2], &h[3]],
+                    [&l[0], &l[1], &l[2], &l[3]],
+                ),
+                &want,
+                &format!("{level:?} {name} p4"),
+            );
+            let want: Vec<[f32; 8]> = (0..4)
+                .map(|t| {
+                    let (a, b) = (scalar::dot8_q8(&q8, &h[t]), scalar::dot8_q8(&q8, &l[t]));
+                    std::array::from_fn(|i| a[i] + b[i])
+                })
+                .collect();
             let kern = &k.dot8_q8;
+            same(
+                &(kern.p1)(&q8, [&h[0]], [&l[0]]),
+                &want[..1],
+                &format!("{level:?} q8 p1"),
+            );
+            same(
+                &(kern.p2)(&q8, [&h[0], &h[1]], [&l[0], &l[1]]),
+                &want[..2],
+                &format!("{level:?} q8 p2"),
+            );
+            same(
+                &(kern.p4)(
+                    &q8,
+                    [&h[0], &h[1], &h[2], &h[3]],
+                    [&l[0], &l[1], &l[2], &l[3]],
+                ),
+                &want,
+                &format!("{level:?} q8 p4"),
+            );
+
             same(
                 &(kern.x1)(&q8, [&a[0]]),
                 &want8[..1],
@@ -762,7 +894,7 @@ mod tests {
         let mut lo = vec![BlockQ8Act::default(); 64];
         quantize_two_level(&x, &mut hi, &mut lo);
         for (b, (h, l)) in hi.iter().zip(&lo).enumerate() {
-            assert_eq!(l.d, h.d / 254.0);
+            assert_eq!(l.d * 128.0, h.d);
             let mut sum = 0f32;
             for j in 0..32 {
                 let v = h.d * h.qs[j] as f32 + l.d * l.qs[j] as f32;

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::blocks::{BlockQ4_1x8, BlockQ8Act, BlockQ8x8};
+use super::blocks::{BlockQ4_1x8, BlockQ8Act, BlockQ8x8, LO_SHIFT};
 
 macro_rules! rows8_kernels {
     ($feat:literal, $acc:ident, $q4:ident, $q8:ident) => {
@@ -109,6 +109,135 @@ macro_rules! rows8_kernels {
     };
 }
 
+/// Two-level (hi, lo) activation pairs: the kernels above with the pair's integer sums combined as
+/// `(hi << LO_SHIFT) + lo` (exact: `hi.d == lo.d << LO_SHIFT`), so each pair costs one conversion and
+/// one scale instead of two.
+macro_rules! rows8_pair_kernels {
+    ($feat:literal, $acc:ident, $q4:ident, $q8:ident) => {
+        #[target_feature(enable = $feat)]
+        unsafe fn $q4<const T: usize>(
+            w: &[BlockQ4_1x8],
+            hi: [&[BlockQ8Act]; T],
+            lo: [&[BlockQ8Act]; T],
+        ) -> [[f32; 8]; T] {
+            let nb = hi[0].len();
+            assert!(
+                w.len() >= nb && hi.iter().chain(&lo).all(|r| r.len() == nb),
+                "weight and activation block counts"
+            );
+            let mask = _mm256_set1_epi8(0x0f);
+            let mut acc = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
+                unsafe {
+                    let wb = w.get_unchecked(b);
+                    let qp = wb.qs.as_ptr() as *const __m256i;
+                    let mut hsum = [[_mm256_setzero_si256(); 2]; T];
+                    let mut lsum = [[_mm256_setzero_si256(); 2]; T];
+                    for j in 0..4 {
+                        let raw = _mm256_loadu_si256(qp.add(j));
+                        let nib = [
+                            _mm256_and_si256(raw, mask),
+                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
+                        ];
+                        for t in 0..T {
+                            let hp = hi[t].get_unchecked(b).qs.as_ptr() as *const i32;
+                            let lp = lo[t].get_unchecked(b).qs.as_ptr() as *const i32;
+                            for h in 0..2 {
+                                let k = 2 * j + h;
+                                hsum[t][h] = $acc(
+                                    hsum[t][h],
+                                    nib[h],
+                                    _mm256_set1_epi32(hp.add(k).read_unaligned()),
+                                );
+                                lsum[t][h] = $acc(
+                                    lsum[t][h],
+                                    nib[h],
+                                    _mm256_set1_epi32(lp.add(k).read_unaligned()),
+                                );
+                            }
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
+                    let m = _mm256_cvtph_ps(_mm_loadu_si128(wb.m.as_ptr() as *const __m128i));
+                    for t in 0..T {
+                        let (hb, lb) = (hi[t].get_unchecked(b), lo[t].get_unchecked(b));
+                        let isum = _mm256_add_epi32(
+                            _mm256_slli_epi32(_mm256_add_epi32(hsum[t][0], hsum[t][1]), LO_SHIFT),
+                            _mm256_add_epi32(lsum[t][0], lsum[t][1]),
+                        );
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(lb.d));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
+                        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(hb.s + lb.s), acc[t]);
+                    }
+                }
+            }
+            let mut out = [[0f32; 8]; T];
+            for t in 0..T {
+                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+            }
+            out
+        }
+
+        #[target_feature(enable = $feat)]
+        unsafe fn $q8<const T: usize>(
+            w: &[BlockQ8x8],
+            hi: [&[BlockQ8Act]; T],
+            lo: [&[BlockQ8Act]; T],
+        ) -> [[f32; 8]; T] {
+            let nb = hi[0].len();
+            assert!(
+                w.len() >= nb && hi.iter().chain(&lo).all(|r| r.len() == nb),
+                "weight and activation block counts"
+            );
+            let mut acc = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
+                unsafe {
+                    let wb = w.get_unchecked(b);
+                    let qp = wb.qs.as_ptr() as *const __m256i;
+                    let mut hsum = [[_mm256_setzero_si256(); 2]; T];
+                    let mut lsum = [[_mm256_setzero_si256(); 2]; T];
+                    for k in 0..8 {
+                        let wv = _mm256_loadu_si256(qp.add(k));
+                        // The unsigned x signed instructions need |w|, and a carrying w's sign.
+                        let wabs = _mm256_sign_epi8(wv, wv);
+                        for t in 0..T {
+                            let hp = hi[t].get_unchecked(b).qs.as_ptr() as *const i32;
+                            let lp = lo[t].get_unchecked(b).qs.as_ptr() as *const i32;
+                            let hv = _mm256_set1_epi32(hp.add(k).read_unaligned());
+                            let lv = _mm256_set1_epi32(lp.add(k).read_unaligned());
+                            hsum[t][k / 4] = $acc(hsum[t][k / 4], wabs, _mm256_sign_epi8(hv, wv));
+                            lsum[t][k / 4] = $acc(lsum[t][k / 4], wabs, _mm256_sign_epi8(lv, wv));
+                        }
+                    }
+                    let dw = [
+                        _mm256_cvtph_ps(_mm_loadu_si128(wb.d[0].as_ptr() as *const __m128i)),
+                        _mm256_cvtph_ps(_mm_loadu_si128(wb.d[1].as_ptr() as *const __m128i)),
+                    ];
+                    for t in 0..T {
+                        let da = _mm256_set1_ps(lo[t].get_unchecked(b).d);
+                        for h in 0..2 {
+                            let isum = _mm256_add_epi32(
+                                _mm256_slli_epi32(hsum[t][h], LO_SHIFT),
+                                lsum[t][h],
+                            );
+                            acc[t] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(isum),
+                                _mm256_mul_ps(dw[h], da),
+                                acc[t],
+                            );
+                        }
+                    }
+                }
+            }
+            let mut out = [[0f32; 8]; T];
+            for t in 0..T {
+                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+            }
+            out
+        }
+    };
+}
+
 /// `acc + Σ4 u8 x i8` per i32 lane with AVX2 (no saturation: pair sums stay below 2^15).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -126,6 +255,18 @@ unsafe fn acc_u8i8_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
 }
 
 rows8_kernels!("avx2,fma,f16c", acc_u8i8_avx2, dot8_q4_1_avx2, dot8_q8_avx2);
+rows8_pair_kernels!(
+    "avx2,fma,f16c",
+    acc_u8i8_avx2,
+    dot8_q4_1_pairs_avx2,
+    dot8_q8_pairs_avx2
+);
+rows8_pair_kernels!(
+    "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c",
+    acc_u8i8_vnni,
+    dot8_q4_1_pairs_vnni,
+    dot8_q8_pairs_vnni
+);
 rows8_kernels!(
     "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c",
     acc_u8i8_vnni,
@@ -154,3 +295,21 @@ safe_entry!(dot8_q4_1_vnni_x4, dot8_q4_1_vnni, BlockQ4_1x8, 4);
 safe_entry!(dot8_q8_vnni_x1, dot8_q8_vnni, BlockQ8x8, 1);
 safe_entry!(dot8_q8_vnni_x2, dot8_q8_vnni, BlockQ8x8, 2);
 safe_entry!(dot8_q8_vnni_x4, dot8_q8_vnni, BlockQ8x8, 4);
+
+macro_rules! safe_pair_entry {
+    ($name:ident, $inner:ident, $w:ty, $t:literal) => {
+        pub fn $name(w: &[$w], hi: [&[BlockQ8Act]; $t], lo: [&[BlockQ8Act]; $t]) -> [[f32; 8]; $t] {
+            unsafe { $inner::<$t>(w, hi, lo) }
+        }
+    };
+}
+safe_pair_entry!(dot8_q4_1_avx2_p1, dot8_q4_1_pairs_avx2, BlockQ4_1x8, 1);
+safe_pair_entry!(dot8_q4_1_avx2_p2, dot8_q4_1_pairs_avx2, BlockQ4_1x8, 2);
+safe_pair_entry!(dot8_q8_avx2_p1, dot8_q8_pairs_avx2, BlockQ8x8, 1);
+safe_pair_entry!(dot8_q8_avx2_p2, dot8_q8_pairs_avx2, BlockQ8x8, 2);
+safe_pair_entry!(dot8_q4_1_vnni_p1, dot8_q4_1_pairs_vnni, BlockQ4_1x8, 1);
+safe_pair_entry!(dot8_q4_1_vnni_p2, dot8_q4_1_pairs_vnni, BlockQ4_1x8, 2);
+safe_pair_entry!(dot8_q4_1_vnni_p4, dot8_q4_1_pairs_vnni, BlockQ4_1x8, 4);
+safe_pair_entry!(dot8_q8_vnni_p1, dot8_q8_pairs_vnni, BlockQ8x8, 1);
+safe_pair_entry!(dot8_q8_vnni_p2, dot8_q8_pairs_vnni, BlockQ8x8, 2);
+safe_pair_entry!(dot8_q8_vnni_p4, dot8_q8_pairs_vnni, BlockQ8x8, 4);
