@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod model;
 pub mod sampling;
 pub mod server;
+pub mod speculation;
 pub mod tokenizer;
 pub mod weights;
 

@@ -122,6 +122,49 @@ impl Sampler {
 
     /// Picks the next token from `logits` (modified in place) and records it.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
+        self.pick(logits, |s, l| {
+            if s.params.temperature == 0.0 {
+                argmax(l)
+            } else {
+                let (ids, probs) = s.distribution(l);
+                ids[s.draw_index(&probs)]
+            }
+        })
+    }
+
+    /// Verifies one draft token against this position's `logits` (modified in place) and records
+    /// the token that results; `true` when it is the draft. Greedy: the draft stands iff it is the
+    /// argmax. Sampling: it stands with probability p(draft), else the token is drawn from p with
+    /// the draft removed and renormalised — rejection sampling for a drafter that proposes one token
+    /// deterministically, which leaves the output distributed exactly as p.
+    pub fn verify(&mut self, logits: &mut [f32], draft: u32) -> (Sampled, bool) {
+        let out = self.pick(logits, |s, l| {
+            if s.params.temperature == 0.0 {
+                return argmax(l);
+            }
+            let (ids, mut probs) = s.distribution(l);
+            let at = ids.iter().position(|&t| t == draft);
+            let p_draft = at.map_or(0.0, |i| probs[i]);
+            if s.rng.random::<f32>() < p_draft {
+                return draft;
+            }
+            if let Some(i) = at {
+                probs[i] = 0.0;
+            }
+            if probs.iter().all(|&q| q <= 0.0) {
+                return draft;
+            }
+            ids[s.draw_index(&probs)]
+        });
+        let accepted = out.token == draft;
+        (out, accepted)
+    }
+
+    fn pick(
+        &mut self,
+        logits: &mut [f32],
+        choose: impl FnOnce(&mut Self, &[f32]) -> u32,
+    ) -> Sampled {
         let p = &self.params;
         let (raw_lse, top) = log_softmax_stats(logits, p.top_logprobs);
         let penalised =
@@ -129,11 +172,7 @@ impl Sampler {
         // Logprobs describe the model's distribution, before penalties rewrite the logits.
         let raw = penalised.then(|| logits.to_vec());
         self.apply_penalties(logits);
-        let token = if p.temperature == 0.0 {
-            argmax(logits)
-        } else {
-            self.draw(logits)
-        };
+        let token = choose(self, logits);
         let logprob = raw.as_deref().unwrap_or(logits)[token as usize] - raw_lse;
         let out = Sampled {
             token,
@@ -166,7 +205,9 @@ impl Sampler {
         }
     }
 
-    fn draw(&mut self, logits: &[f32]) -> u32 {
+    /// The sampling distribution after temperature, top-k, top-p and min-p: the kept token ids,
+    /// best first, and their probabilities (summing to 1).
+    fn distribution(&self, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
         let mut cand: Vec<(u32, f32)> = logits
@@ -198,15 +239,23 @@ impl Sampler {
             let floor = probs[0] * p.min_p;
             keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
         }
-        let total: f32 = probs[..keep].iter().sum();
+        probs.truncate(keep);
+        let total: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|q| *q /= total);
+        (cand[..keep].iter().map(|&(t, _)| t).collect(), probs)
+    }
+
+    /// An index drawn with the given (not necessarily normalised) weights.
+    fn draw_index(&mut self, weights: &[f32]) -> usize {
+        let total: f32 = weights.iter().sum();
         let mut u = self.rng.random::<f32>() * total;
-        for i in 0..keep {
-            u -= probs[i];
-            if u <= 0.0 {
-                return cand[i].0;
+        for (i, w) in weights.iter().enumerate() {
+            u -= w;
+            if u <= 0.0 && *w > 0.0 {
+                return i;
             }
         }
-        cand[keep - 1].0
+        weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
     }
 }
 
@@ -245,6 +294,98 @@ mod tests {
 
     fn logits() -> Vec<f32> {
         vec![1.0, 3.0, 2.0, 0.5, 2.9]
+    }
+
+    /// Pearson's chi-square statistic of observed counts against expected probabilities.
+    fn chi_square(counts: &[u32], probs: &[f64]) -> f64 {
+        let n: u32 = counts.iter().sum();
+        counts
+            .iter()
+            .zip(probs)
+            .filter(|(_, p)| **p > 0.0)
+            .map(|(&c, &p)| {
+                let e = p * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    /// The chi-square critical value for 4 degrees of freedom at p = 0.001.
+    const CHI2_DF4_P001: f64 = 18.467;
+    const SAMPLES: usize = 40_000;
+
+    fn sampling_params() -> SamplingParams {
+        SamplingParams {
+            temperature: 0.8,
+            seed: Some(11),
+            ..SamplingParams::greedy()
+        }
+    }
+
+    /// The reference distribution: softmax(logits / T).
+    fn target() -> Vec<f64> {
+        let l = logits();
+        let e: Vec<f64> = l.iter().map(|&x| ((x / 0.8) as f64).exp()).collect();
+        let z: f64 = e.iter().sum();
+        e.iter().map(|v| v / z).collect()
+    }
+
+    fn histogram(mut draw: impl FnMut() -> u32) -> Vec<u32> {
+        let mut counts = vec![0u32; logits().len()];
+        for _ in 0..SAMPLES {
+            counts[draw() as usize] += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn speculative_sampling_keeps_the_target_distribution_for_any_draft() {
+        let want = target();
+        // Without speculation, as the baseline the test's threshold must accept.
+        let mut s = Sampler::new(sampling_params(), &[]);
+        let base = histogram(|| s.sample(&mut logits()).token);
+        assert!(chi_square(&base, &want) < CHI2_DF4_P001, "plain sampling");
+        // With a draft: the likeliest token, an unlikely one, each must leave p unchanged.
+        for draft in [1u32, 3, 2] {
+            let mut s = Sampler::new(sampling_params(), &[]);
+            let got = histogram(|| s.verify(&mut logits(), draft).0.token);
+            let chi = chi_square(&got, &want);
+            assert!(chi < CHI2_DF4_P001, "draft {draft}: chi-square {chi:.1}");
+        }
+    }
+
+    #[test]
+    fn a_verifier_that_resamples_from_p_after_rejection_fails_the_same_test() {
+        // The classic bug: on rejection, draw from p instead of p without the draft. The draft then
+        // comes out with probability p + (1 - p) p; the statistical test must catch it.
+        let want = target();
+        let draft = 2u32;
+        let mut s = Sampler::new(sampling_params(), &[]);
+        let got = histogram(|| {
+            let l = logits();
+            let (ids, probs) = s.distribution(&l);
+            let p_draft = probs[ids.iter().position(|&t| t == draft).expect("kept")];
+            if s.rng.random::<f32>() < p_draft {
+                draft
+            } else {
+                ids[s.draw_index(&probs)]
+            }
+        });
+        let chi = chi_square(&got, &want);
+        assert!(
+            chi > CHI2_DF4_P001,
+            "the wrong verifier passed (chi-square {chi:.1})"
+        );
+    }
+
+    #[test]
+    fn greedy_verification_accepts_exactly_the_argmax() {
+        let mut s = Sampler::new(SamplingParams::greedy(), &[]);
+        let (out, ok) = s.verify(&mut logits(), 1);
+        assert!(ok && out.token == 1);
+        // 4 is a near-tie (2.9 vs 3.0) but not the argmax: rejected, the argmax stands.
+        let (out, ok) = s.verify(&mut logits(), 4);
+        assert!(!ok && out.token == 1);
     }
 
     #[test]

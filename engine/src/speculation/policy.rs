@@ -1,0 +1,254 @@
+//! How many draft tokens a step verifies. Each step picks one K in 0..=S for the batch, the one
+//! with the most expected output tokens per second:
+//!
+//!   tokens(K) = Σ_seq (1 + Σ_{j < min(K, draft_len)} Π_{m <= j} α_m)
+//!   time(K)   = cost(prefill tokens + Σ_seq (1 + min(K, draft_len)))
+//!
+//! where α_m is the measured probability that draft position m is accepted once m-1 were, and
+//! `cost` is the measured step time as a function of the tokens in the step (a table of moving
+//! averages, seeded by a calibration at start). On the CPU a single sequence's step is bound by
+//! reading the weights, so verifying a few extra tokens is nearly free and K grows; a large batch is
+//! compute-bound, every draft token costs as much as a real one, and K falls to 0 (plain decode,
+//! which costs nothing extra for n-gram drafts: there is no draft state to catch up).
+
+/// Which drafter proposes tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SpecMethod {
+    /// No speculation.
+    #[default]
+    None,
+    /// Prompt lookup: continue the most recent earlier occurrence of the last n tokens.
+    Ngram,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpecConfig {
+    pub method: SpecMethod,
+    /// Most draft tokens per sequence per step (S; S+1 positions verified).
+    pub num_steps: usize,
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+    /// Pick K per step from measured costs (`true`) or always verify every proposed token.
+    pub adaptive: bool,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        SpecConfig {
+            method: SpecMethod::None,
+            num_steps: 3,
+            ngram_min: 1,
+            ngram_max: 3,
+            adaptive: true,
+        }
+    }
+}
+
+/// Step-size buckets of the cost table (tokens in one forward).
+const BUCKETS: [usize; 16] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512];
+/// Weight of a new observation in a bucket's moving average.
+const COST_EWMA: f64 = 0.2;
+/// Acceptance counts decay by this per verification, so the policy follows the content.
+const ACCEPT_DECAY: f64 = 0.995;
+/// Prior of the acceptance estimate: `PRIOR_ACCEPTED` of `PRIOR_TRIED` draft tokens.
+const PRIOR_ACCEPTED: f64 = 1.0;
+const PRIOR_TRIED: f64 = 2.0;
+
+pub struct Policy {
+    pub cfg: SpecConfig,
+    /// Moving-average seconds per step for each bucket; `None` until measured.
+    cost: [Option<f64>; BUCKETS.len()],
+    /// Per draft position: (accepted, tried), decayed.
+    accept: Vec<(f64, f64)>,
+}
+
+impl Policy {
+    pub fn new(cfg: SpecConfig) -> Policy {
+        Policy {
+            accept: vec![(0.0, 0.0); cfg.num_steps.max(1)],
+            cfg,
+            cost: [None; BUCKETS.len()],
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.cfg.method != SpecMethod::None && self.cfg.num_steps > 0
+    }
+
+    fn bucket(tokens: usize) -> usize {
+        BUCKETS
+            .partition_point(|&b| b < tokens)
+            .min(BUCKETS.len() - 1)
+    }
+
+    /// One measured step: `tokens` tokens took `secs`.
+    pub fn record_step(&mut self, tokens: usize, secs: f64) {
+        if tokens == 0 || !secs.is_finite() {
+            return;
+        }
+        // Normalise to the bucket's size so nearby step sizes share one entry.
+        let b = Self::bucket(tokens);
+        let scaled = secs * BUCKETS[b] as f64 / tokens.max(1) as f64;
+        let slot = &mut self.cost[b];
+        *slot = Some(match *slot {
+            Some(c) => c + COST_EWMA * (scaled - c),
+            None => scaled,
+        });
+    }
+
+    /// Estimated seconds of a step of `tokens` tokens: linear between measured buckets,
+    /// proportional beyond the outermost ones. `None` before any measurement.
+    pub fn cost(&self, tokens: usize) -> Option<f64> {
+        let known: Vec<(f64, f64)> = BUCKETS
+            .iter()
+            .zip(&self.cost)
+            .filter_map(|(&b, c)| c.map(|c| (b as f64, c)))
+            .collect();
+        let t = tokens as f64;
+        let (first, last) = (known.first()?, known.last()?);
+        if t <= first.0 {
+            return Some(first.1);
+        }
+        if t >= last.0 {
+            return Some(last.1 * t / last.0);
+        }
+        let i = known.partition_point(|&(b, _)| b < t);
+        let (lo, hi) = (known[i - 1], known[i]);
+        Some(lo.1 + (hi.1 - lo.1) * (t - lo.0) / (hi.0 - lo.0))
+    }
+
+    /// One sequence's verification: `proposed` draft tokens, the first `accepted` of them accepted.
+    pub fn record_verify(&mut self, proposed: usize, accepted: usize) {
+        for (j, (a, n)) in self.accept.iter_mut().enumerate() {
+            *a *= ACCEPT_DECAY;
+            *n *= ACCEPT_DECAY;
+            // Position j was tried when all before it were accepted.
+            if j < proposed && j <= accepted {
+                *n += 1.0;
+                if j < accepted {
+                    *a += 1.0;
+                }
+            }
+        }
+    }
+
+    /// Probability that draft position `j` is accepted, given that the ones before it were.
+    pub fn accept_prob(&self, j: usize) -> f64 {
+        let (a, n) = self.accept.get(j).copied().unwrap_or((0.0, 0.0));
+        (a + PRIOR_ACCEPTED) / (n + PRIOR_TRIED)
+    }
+
+    /// K for this step. `other_tokens`: tokens in the step that sample nothing new (prefill
+    /// chunks); `drafts`: the proposal length of each decoding sequence (0 when it has none).
+    pub fn choose_k(&self, other_tokens: usize, drafts: &[usize]) -> usize {
+        let s = self.cfg.num_steps;
+        if !self.enabled() || drafts.iter().all(|&d| d == 0) {
+            return 0;
+        }
+        if !self.cfg.adaptive {
+            return s;
+        }
+        let mut reach = vec![1.0f64; s + 1];
+        for j in 0..s {
+            reach[j + 1] = reach[j] * self.accept_prob(j);
+        }
+        // Expected extra tokens of a draft of length L verified up to K: Σ_{j < min(K, L)} reach[j+1].
+        let mut best = (0usize, 0f64);
+        for k in 0..=s {
+            let mut tokens = other_tokens;
+            let mut yield_ = 0.0;
+            for &d in drafts {
+                let used = d.min(k);
+                tokens += 1 + used;
+                yield_ += 1.0 + reach[1..=used].iter().sum::<f64>();
+            }
+            let Some(t) = self.cost(tokens) else {
+                return 0;
+            };
+            let rate = yield_ / t.max(1e-9);
+            // Strictly better only: ties keep the cheaper, smaller K.
+            if rate > best.1 * 1.0001 {
+                best = (k, rate);
+            }
+        }
+        best.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> Policy {
+        Policy::new(SpecConfig {
+            method: SpecMethod::Ngram,
+            num_steps: 3,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn cost_interpolates_between_measured_buckets() {
+        let mut p = policy();
+        assert_eq!(p.cost(4), None);
+        p.record_step(1, 0.010);
+        p.record_step(16, 0.040);
+        assert_eq!(p.cost(1), Some(0.010));
+        let mid = p.cost(8).expect("measured");
+        assert!((mid - (0.010 + 0.030 * 7.0 / 15.0)).abs() < 1e-9);
+        assert!((p.cost(32).expect("measured") - 0.080).abs() < 1e-9);
+    }
+
+    #[test]
+    fn memory_bound_steps_speculate_and_compute_bound_steps_do_not() {
+        let mut p = policy();
+        // A weight-streaming machine: 1..4 tokens cost about the same; big steps cost per token.
+        for (t, s) in [
+            (1, 0.010),
+            (2, 0.0102),
+            (4, 0.0105),
+            (8, 0.014),
+            (16, 0.024),
+            (64, 0.1),
+        ] {
+            p.record_step(t, s);
+        }
+        for _ in 0..50 {
+            p.record_verify(3, 3); // every draft accepted
+        }
+        assert_eq!(p.choose_k(0, &[3]), 3, "one sequence, cheap verification");
+        assert_eq!(
+            p.choose_k(0, &[3; 16]),
+            0,
+            "sixteen sequences, compute-bound"
+        );
+        assert_eq!(p.choose_k(0, &[0, 0]), 0, "no drafts");
+        // Poor acceptance makes even the cheap case not worth it.
+        for _ in 0..2000 {
+            p.record_verify(3, 0);
+        }
+        assert_eq!(p.choose_k(0, &[3]), 0);
+    }
+
+    #[test]
+    fn fixed_policy_always_verifies_every_step() {
+        let mut p = Policy::new(SpecConfig {
+            method: SpecMethod::Ngram,
+            num_steps: 4,
+            adaptive: false,
+            ..Default::default()
+        });
+        p.record_step(1, 0.01);
+        assert_eq!(p.choose_k(0, &[2; 16]), 4);
+    }
+
+    #[test]
+    fn acceptance_counts_only_positions_that_were_tried() {
+        let mut p = policy();
+        p.record_verify(3, 1); // position 0 accepted, position 1 rejected, 2 never tried
+        assert!(p.accept_prob(0) > 0.5);
+        assert!(p.accept_prob(1) < 0.5);
+        assert!((p.accept_prob(2) - 0.5).abs() < 1e-9);
+    }
+}
