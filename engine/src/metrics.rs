@@ -19,8 +19,42 @@ pub struct RequestLabels {
     pub status: String,
 }
 
+/// Draft position within one verification (0 = the first draft token).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PositionLabels {
+    pub position: String,
+}
+
+/// Batch-size bucket of a step (`1`, `2-4`, `5-16`, `17-64`, `65+`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BatchLabels {
+    pub batch: String,
+}
+
+impl BatchLabels {
+    pub fn of(batch_size: usize) -> BatchLabels {
+        let batch = match batch_size {
+            0 | 1 => "1",
+            2..=4 => "2-4",
+            5..=16 => "5-16",
+            17..=64 => "17-64",
+            _ => "65+",
+        };
+        BatchLabels {
+            batch: batch.to_string(),
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    pub spec_draft_tokens: Counter,
+    pub spec_accepted_tokens: Counter,
+    pub spec_accepted_per_position: Family<PositionLabels, Counter>,
+    /// Tokens emitted per verified sequence (accepted drafts + 1), by batch-size bucket.
+    pub spec_accept_length: Family<BatchLabels, Histogram>,
+    /// K chosen per step, by batch-size bucket.
+    pub spec_chosen_k: Family<BatchLabels, Histogram>,
     pub requests: Family<RequestLabels, Counter>,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
@@ -47,7 +81,15 @@ impl Metrics {
         ];
         let mut r = Registry::with_prefix_and_labels("kiln", labels.into_iter());
         let latency = || Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        fn small() -> Histogram {
+            Histogram::new([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0])
+        }
         let m = Metrics {
+            spec_draft_tokens: Counter::default(),
+            spec_accepted_tokens: Counter::default(),
+            spec_accepted_per_position: Family::default(),
+            spec_accept_length: Family::new_with_constructor(small),
+            spec_chosen_k: Family::new_with_constructor(small),
             requests: Family::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
@@ -139,6 +181,31 @@ impl Metrics {
             "model_ready",
             "1 once the model is loaded and warmed up",
             m.ready.clone(),
+        );
+        r.register(
+            "spec_draft_tokens",
+            "Draft tokens verified by the target model",
+            m.spec_draft_tokens.clone(),
+        );
+        r.register(
+            "spec_accepted_tokens",
+            "Draft tokens accepted",
+            m.spec_accepted_tokens.clone(),
+        );
+        r.register(
+            "spec_accepted_tokens_per_position",
+            "Draft tokens accepted, by position in the draft",
+            m.spec_accepted_per_position.clone(),
+        );
+        r.register(
+            "spec_accept_length",
+            "Tokens emitted per verified sequence (accepted drafts + 1), by batch size",
+            m.spec_accept_length.clone(),
+        );
+        r.register(
+            "spec_chosen_k",
+            "Draft tokens per sequence chosen for a step, by batch size",
+            m.spec_chosen_k.clone(),
         );
         Metrics { registry: r, ..m }
     }

@@ -19,8 +19,10 @@ use crate::generate::FinishReason;
 use crate::kv_cache::BlockAllocator;
 use crate::load::LoadedModel;
 use crate::metrics::Metrics;
+use crate::metrics::{BatchLabels, PositionLabels};
 use crate::model::{ForwardBatch, Workspace};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampled, Sampler};
+use crate::speculation::{self, Policy, SpecConfig};
 use crate::tokenizer::IncrementalDecoder;
 
 #[derive(Clone, Copy, Debug)]
@@ -33,6 +35,7 @@ pub struct EngineConfig {
     /// Longest sequence (prompt + output) a request may reach.
     pub max_model_len: usize,
     pub overlap: bool,
+    pub spec: SpecConfig,
 }
 
 /// State the HTTP side reads without talking to the engine thread.
@@ -92,6 +95,56 @@ pub struct Engine<B: Backend> {
     metrics: Arc<Metrics>,
     status: Arc<EngineStatus>,
     started: Instant,
+    policy: Policy,
+}
+
+/// One scheduled sequence of a step: its running index, tokens fed, and where its logits are.
+struct Fed {
+    index: usize,
+    n: usize,
+    /// First logits row of this sequence, if it samples this step.
+    row: Option<usize>,
+    /// Draft tokens among the fed ones (the last `drafts` of them); each has its own logits row.
+    drafts: usize,
+}
+
+/// Hands one generated token to its request (events, metrics, sampler history already updated by
+/// the sampler) and appends it to the sequence; returns why the request ends, if it does.
+fn emit<B: Backend>(
+    seq: &mut SeqState,
+    live: &mut Live,
+    sampled: Sampled,
+    metrics: &Metrics,
+    model: &LoadedModel<B>,
+    cfg: &EngineConfig,
+) -> Option<FinishReason> {
+    let tok = sampled.token;
+    seq.tokens.push(tok);
+    live.generated += 1;
+    let now = Instant::now();
+    match live.last_token {
+        None => metrics.ttft.observe((now - live.arrival).as_secs_f64()),
+        Some(t) => metrics.inter_token.observe((now - t).as_secs_f64()),
+    }
+    live.last_token = Some(now);
+    metrics.generation_tokens.inc();
+    let text = match live.decoder.as_mut() {
+        Some(d) => d.push(&model.tokenizer, tok).ok().flatten(),
+        None => None,
+    };
+    let _ = live.events.send(Event::Token { sampled, text });
+    let p = &live.params;
+    let stop_token =
+        p.stop_token_ids.contains(&tok) || (!p.ignore_eos && model.tokenizer.is_eos(tok));
+    if stop_token {
+        Some(FinishReason::Eos)
+    } else if live.generated >= p.max_tokens {
+        Some(FinishReason::Length)
+    } else if seq.tokens.len() >= cfg.max_model_len {
+        Some(FinishReason::ContextFull)
+    } else {
+        None
+    }
 }
 
 /// Starts the engine thread.
@@ -136,7 +189,8 @@ impl<B: Backend> Engine<B> {
             BlockAllocator::new(n_blocks, cfg.block_size),
         );
         metrics.kv_blocks_total.set(n_blocks as i64);
-        Engine {
+        let mut engine = Engine {
+            policy: Policy::new(cfg.spec),
             model,
             cfg,
             kv,
@@ -147,6 +201,49 @@ impl<B: Backend> Engine<B> {
             metrics,
             status,
             started,
+        };
+        if engine.policy.enabled() && engine.cfg.spec.adaptive {
+            engine.calibrate();
+        }
+        engine
+    }
+
+    /// Seeds the speculation policy's cost table: timed forwards of 1..64 tokens on scratch blocks
+    /// (released afterwards). Steps measured while serving refine it.
+    fn calibrate(&mut self) {
+        let c = self.model.config();
+        let mut alloc = BlockAllocator::new(self.sched.blocks_total(), self.cfg.block_size);
+        let mut blocks = crate::kv_cache::SeqBlocks::default();
+        for n in [1usize, 2, 4, 8, 16, 32, 64] {
+            if n > self.cfg.max_step_tokens || blocks.reserve(&mut alloc, n).is_err() {
+                break;
+            }
+            let tokens: Vec<u32> = (0..n as u32).map(|i| i % c.vocab_size as u32).collect();
+            let positions: Vec<usize> = (0..n).collect();
+            let spans = [SeqSpan {
+                first_token: 0,
+                n_tokens: n,
+                start_pos: 0,
+                block_table: &blocks.table,
+            }];
+            let rows = [n - 1];
+            let batch = ForwardBatch {
+                tokens: &tokens,
+                positions: &positions,
+                spans: &spans,
+                logit_rows: &rows,
+            };
+            for _ in 0..2 {
+                let t = Instant::now();
+                let m = &self.model;
+                if m.model
+                    .forward(&m.backend, &mut self.kv, &batch, &mut self.ws)
+                    .is_err()
+                {
+                    return;
+                }
+                self.policy.record_step(n, t.elapsed().as_secs_f64());
+            }
         }
     }
 
@@ -203,37 +300,45 @@ impl<B: Backend> Engine<B> {
         if plan.work.is_empty() {
             return;
         }
+        let drafts = self.draft(&plan.work);
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut logit_rows = Vec::new();
-        // (running index, tokens scheduled, logits row if it samples).
-        let mut sampling: Vec<(usize, usize, Option<usize>)> = Vec::new();
-        for &(i, n) in &plan.work {
+        let mut fed: Vec<Fed> = Vec::new();
+        for (&(i, n), &d) in plan.work.iter().zip(&drafts) {
             let seq = &self.sched.running()[i];
+            let n = n + d;
             let first = tokens.len();
             tokens.extend_from_slice(&seq.tokens[seq.computed..seq.computed + n]);
             positions.extend(seq.computed..seq.computed + n);
             let samples = seq.computed + n == seq.tokens.len();
             let row = samples.then(|| {
-                logit_rows.push(first + n - 1);
-                logit_rows.len() - 1
+                let row = logit_rows.len();
+                // A verified sequence needs the logits after its last real token and after each
+                // draft token.
+                logit_rows.extend(first + n - 1 - d..first + n);
+                row
             });
-            sampling.push((i, n, row));
+            fed.push(Fed {
+                index: i,
+                n,
+                row,
+                drafts: d,
+            });
         }
         let running = self.sched.running();
         let mut first = 0;
-        let spans: Vec<SeqSpan> = plan
-            .work
+        let spans: Vec<SeqSpan> = fed
             .iter()
-            .map(|&(i, n)| {
-                let s = &running[i];
+            .map(|f| {
+                let s = &running[f.index];
                 let span = SeqSpan {
                     first_token: first,
-                    n_tokens: n,
+                    n_tokens: f.n,
                     start_pos: s.computed,
                     block_table: &s.blocks.table,
                 };
-                first += n;
+                first += f.n;
                 span
             })
             .collect();
@@ -243,19 +348,21 @@ impl<B: Backend> Engine<B> {
             spans: &spans,
             logit_rows: &logit_rows,
         };
+        let t_forward = Instant::now();
         let result =
             self.model
                 .model
                 .forward(&self.model.backend, &mut self.kv, &batch, &mut self.ws);
         drop(spans);
+        self.policy
+            .record_step(tokens.len(), t_forward.elapsed().as_secs_f64());
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!("forward failed: {e}");
-                let ids: Vec<SeqId> = plan
-                    .work
+                let ids: Vec<SeqId> = fed
                     .iter()
-                    .map(|&(i, _)| self.sched.running()[i].id)
+                    .map(|f| self.sched.running()[f.index].id)
                     .collect();
                 for id in ids {
                     self.finish_with(id, Event::Failed(format!("the model step failed: {e}")));
@@ -264,49 +371,57 @@ impl<B: Backend> Engine<B> {
             }
         };
         let vocab = self.model.config().vocab_size;
+        let batch_label = BatchLabels::of(fed.len());
         let mut finished = Vec::new();
-        for (i, n, row) in sampling {
-            let seq = &mut self.sched.running_mut()[i];
-            seq.computed += n;
-            let Some(row) = row else { continue };
+        for f in &fed {
+            let seq = &mut self.sched.running_mut()[f.index];
+            seq.computed += f.n;
+            let Some(row) = f.row else { continue };
             let id = seq.id;
             let Some(live) = self.live.get_mut(&id) else {
                 continue;
             };
-            let mut row_logits = logits[row * vocab..(row + 1) * vocab].to_vec();
-            let sampled = live.sampler.sample(&mut row_logits);
-            let tok = sampled.token;
-            seq.tokens.push(tok);
-            live.generated += 1;
-            let now = Instant::now();
-            match live.last_token {
-                None => self
-                    .metrics
-                    .ttft
-                    .observe((now - live.arrival).as_secs_f64()),
-                Some(t) => self.metrics.inter_token.observe((now - t).as_secs_f64()),
+            // Take the drafts back off the sequence: only what verification emits stays.
+            let base = seq.tokens.len() - f.drafts;
+            let draft: Vec<u32> = seq.tokens.drain(base..).collect();
+            seq.computed -= f.drafts;
+            let mut accepted = 0;
+            for j in 0..=f.drafts {
+                let r = row + j;
+                let mut row_logits = logits[r * vocab..(r + 1) * vocab].to_vec();
+                let (sampled, is_draft) = match draft.get(j) {
+                    Some(&d) => live.sampler.verify(&mut row_logits, d),
+                    None => (live.sampler.sample(&mut row_logits), false),
+                };
+                let reason = emit(seq, live, sampled, &self.metrics, &self.model, &self.cfg);
+                if let Some(r) = reason {
+                    finished.push((id, r));
+                    break;
+                }
+                if !is_draft {
+                    break;
+                }
+                // An accepted draft's KV entry is already in the cache.
+                accepted += 1;
+                seq.computed += 1;
             }
-            live.last_token = Some(now);
-            self.metrics.generation_tokens.inc();
-            let text = match live.decoder.as_mut() {
-                Some(d) => d.push(&self.model.tokenizer, tok).ok().flatten(),
-                None => None,
-            };
-            let _ = live.events.send(Event::Token { sampled, text });
-            let p = &live.params;
-            let stop_token = p.stop_token_ids.contains(&tok)
-                || (!p.ignore_eos && self.model.tokenizer.is_eos(tok));
-            let reason = if stop_token {
-                Some(FinishReason::Eos)
-            } else if live.generated >= p.max_tokens {
-                Some(FinishReason::Length)
-            } else if seq.tokens.len() >= self.cfg.max_model_len {
-                Some(FinishReason::ContextFull)
-            } else {
-                None
-            };
-            if let Some(r) = reason {
-                finished.push((id, r));
+            if f.drafts > 0 {
+                self.policy.record_verify(f.drafts, accepted);
+                self.metrics.spec_draft_tokens.inc_by(f.drafts as u64);
+                self.metrics.spec_accepted_tokens.inc_by(accepted as u64);
+                for p in 0..accepted {
+                    self.metrics
+                        .spec_accepted_per_position
+                        .get_or_create(&PositionLabels {
+                            position: p.to_string(),
+                        })
+                        .inc();
+                }
+                self.metrics
+                    .spec_accept_length
+                    .get_or_create(&batch_label)
+                    .observe((accepted + 1) as f64);
+                self.sched.trim_running(f.index);
             }
         }
         for (id, reason) in finished {
@@ -314,8 +429,60 @@ impl<B: Backend> Engine<B> {
         }
         self.update_gauges();
         self.metrics.step_time.observe(t0.elapsed().as_secs_f64());
-        self.metrics.batch_size.observe(plan.work.len() as f64);
+        self.metrics.batch_size.observe(fed.len() as f64);
         self.metrics.batch_tokens.observe(tokens.len() as f64);
+    }
+
+    /// Draft tokens for this step's decoding sequences, appended to their tokens (and their blocks
+    /// reserved); returns the count per work item (0 for prefill and undrafted sequences).
+    fn draft(&mut self, work: &[(usize, usize)]) -> Vec<usize> {
+        let mut counts = vec![0usize; work.len()];
+        if !self.policy.enabled() {
+            return counts;
+        }
+        let spec = self.cfg.spec;
+        let mut proposals: Vec<Vec<u32>> = vec![Vec::new(); work.len()];
+        let mut other_tokens = 0;
+        let mut lens = Vec::new();
+        for (w, &(i, n)) in work.iter().enumerate() {
+            let seq = &self.sched.running()[i];
+            let decoding = n == 1 && seq.pending() == 1 && seq.tokens.len() > seq.prompt_len;
+            let Some(live) = self.live.get(&seq.id).filter(|_| decoding) else {
+                other_tokens += n;
+                continue;
+            };
+            // Never draft past the request's last token or the model's context.
+            let room = (live.params.max_tokens.saturating_sub(live.generated + 1))
+                .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));
+            let k = spec.num_steps.min(room);
+            proposals[w] = speculation::propose(&seq.tokens, spec.ngram_min, spec.ngram_max, k);
+            lens.push(proposals[w].len());
+        }
+        let k = self.policy.choose_k(other_tokens, &lens);
+        self.metrics
+            .spec_chosen_k
+            .get_or_create(&BatchLabels::of(work.len()))
+            .observe(k as f64);
+        let mut budget = self
+            .cfg
+            .max_step_tokens
+            .saturating_sub(work.iter().map(|&(_, n)| n).sum());
+        for (w, &(i, _)) in work.iter().enumerate() {
+            let d = proposals[w].len().min(k).min(budget);
+            if d == 0 {
+                continue;
+            }
+            let want = self.sched.running()[i].tokens.len() + d;
+            if !self.sched.reserve_running(i, want) {
+                continue;
+            }
+            self.sched.running_mut()[i]
+                .tokens
+                .extend_from_slice(&proposals[w][..d]);
+            counts[w] = d;
+            budget -= d;
+        }
+        counts
     }
 
     fn finish(&mut self, id: SeqId, reason: FinishReason) {

@@ -103,6 +103,21 @@ impl Scheduler {
         self.alloc.total() * self.alloc.block_size()
     }
 
+    /// Reserves blocks so running sequence `i` holds `n_tokens` tokens (draft tokens on top of its
+    /// scheduled work); `false`, with nothing allocated, when the cache cannot.
+    pub fn reserve_running(&mut self, i: usize, n_tokens: usize) -> bool {
+        self.running[i]
+            .blocks
+            .reserve(&mut self.alloc, n_tokens)
+            .is_ok()
+    }
+
+    /// Frees running sequence `i`'s blocks past its tokens (rejected drafts' slots).
+    pub fn trim_running(&mut self, i: usize) {
+        let seq = &mut self.running[i];
+        seq.blocks.truncate(&mut self.alloc, seq.tokens.len());
+    }
+
     /// Removes a sequence wherever it is and frees its blocks.
     pub fn remove(&mut self, id: SeqId) -> Option<SeqState> {
         let mut seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {

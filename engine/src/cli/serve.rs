@@ -8,6 +8,7 @@ use anyhow::Context;
 use kiln::backend::Precision;
 use kiln::catalog::DEFAULT_MODEL;
 use kiln::server::state::ServeOptions;
+use kiln::speculation::{SpecConfig, SpecMethod, SpecPolicy};
 use serde::Deserialize;
 
 #[derive(clap::Args, Deserialize, Default, Debug, Clone)]
@@ -75,6 +76,23 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(default)]
     no_overlap: bool,
+    /// Speculative decoding: none, or ngram (prompt lookup: drafts continue the latest earlier
+    /// occurrence of the last tokens; no draft model) [default: none].
+    #[arg(long, value_enum)]
+    speculative_algorithm: Option<SpecMethod>,
+    /// Most draft tokens per sequence per step; S+1 positions verified [default: 3].
+    #[arg(long)]
+    speculative_num_steps: Option<usize>,
+    /// adaptive: each step picks 0..=S draft tokens from measured step costs and acceptance, so
+    /// speculation stops where it would lose (large batches); fixed: always S [default: adaptive].
+    #[arg(long, value_enum)]
+    speculative_policy: Option<SpecPolicy>,
+    /// Shortest suffix the n-gram drafter matches [default: 1].
+    #[arg(long)]
+    speculative_ngram_min: Option<usize>,
+    /// Longest suffix the n-gram drafter matches (it tries the longest first) [default: 3].
+    #[arg(long)]
+    speculative_ngram_max: Option<usize>,
     /// Model cache directory (see `kiln fetch --help`).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
@@ -109,6 +127,11 @@ fn merge(flags: ServeArgs, file: ServeArgs) -> ServeArgs {
         shutdown_timeout: flags.shutdown_timeout.or(file.shutdown_timeout),
         instance: flags.instance.or(file.instance),
         no_overlap: flags.no_overlap || file.no_overlap,
+        speculative_algorithm: flags.speculative_algorithm.or(file.speculative_algorithm),
+        speculative_num_steps: flags.speculative_num_steps.or(file.speculative_num_steps),
+        speculative_policy: flags.speculative_policy.or(file.speculative_policy),
+        speculative_ngram_min: flags.speculative_ngram_min.or(file.speculative_ngram_min),
+        speculative_ngram_max: flags.speculative_ngram_max.or(file.speculative_ngram_max),
         cache_dir: flags.cache_dir.or(file.cache_dir),
     }
 }
@@ -153,6 +176,36 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         kv_tokens >= block_size,
         "--kv-tokens ({kv_tokens}) must hold at least one block ({block_size})"
     );
+    let defaults = SpecConfig::default();
+    let spec = SpecConfig {
+        method: a.speculative_algorithm.unwrap_or_default(),
+        num_steps: positive(
+            "speculative-num-steps",
+            a.speculative_num_steps,
+            defaults.num_steps,
+        )?,
+        ngram_min: positive(
+            "speculative-ngram-min",
+            a.speculative_ngram_min,
+            defaults.ngram_min,
+        )?,
+        ngram_max: positive(
+            "speculative-ngram-max",
+            a.speculative_ngram_max,
+            defaults.ngram_max,
+        )?,
+        adaptive: a.speculative_policy.unwrap_or_default() == SpecPolicy::Adaptive,
+    };
+    anyhow::ensure!(
+        spec.ngram_min <= spec.ngram_max,
+        "--speculative-ngram-min ({}) must not exceed --speculative-ngram-max ({})",
+        spec.ngram_min,
+        spec.ngram_max
+    );
+    anyhow::ensure!(
+        spec.num_steps <= 16,
+        "--speculative-num-steps must be at most 16"
+    );
     let watchdog = std::env::var("WATCHDOG_USEC")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
@@ -180,6 +233,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         max_n: positive("max-n", a.max_n, 16)?,
         shutdown_timeout: Duration::from_secs(a.shutdown_timeout.unwrap_or(30)),
         overlap: !a.no_overlap,
+        spec,
         notify_socket: std::env::var_os("NOTIFY_SOCKET").map(PathBuf::from),
         watchdog,
     })

@@ -168,6 +168,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         max_step_tokens: opts.max_step_tokens,
         max_model_len,
         overlap: opts.overlap,
+        spec: opts.spec,
     };
     let engine = batching::spawn(model.clone(), cfg, state.metrics.clone())
         .context("starting the engine thread")?;

@@ -36,6 +36,7 @@ pub struct ServeOptions {
     pub shutdown_timeout: Duration,
     pub instance: String,
     pub overlap: bool,
+    pub spec: crate::speculation::SpecConfig,
     /// systemd's `$NOTIFY_SOCKET`.
     pub notify_socket: Option<PathBuf>,
     /// systemd's `$WATCHDOG_USEC`.

@@ -8,4 +8,4 @@ pub mod ngram;
 pub mod policy;
 
 pub use ngram::propose;
-pub use policy::{Policy, SpecConfig, SpecMethod};
+pub use policy::{Policy, SpecConfig, SpecMethod, SpecPolicy};

@@ -22,6 +22,17 @@ pub enum SpecMethod {
     Ngram,
 }
 
+/// How K is chosen each step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SpecPolicy {
+    /// From measured step costs and acceptance (K may be 0).
+    #[default]
+    Adaptive,
+    /// Always the full `--speculative-num-steps` (the reference's behaviour).
+    Fixed,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SpecConfig {
     pub method: SpecMethod,
