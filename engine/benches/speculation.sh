@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Speculation side by side, one run, same machine: kiln serve without speculation, with n-gram
+# drafts verified every step (fixed, S=3), and with the adaptive policy (K in 0..=3 per step), each
+# driven by ../shared/tools/loadgen.py (streaming coding prompts, closed loop, 200-token
+# completions, ignore_eos). After each config the accept length is read from /metrics.
+#   bash engine/benches/speculation.sh [MODEL]        (LEVELS=1,4,16 by default)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+MODEL=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+LOADGEN=${LOADGEN:-../shared/tools/loadgen.py}
+LEVELS=${LEVELS:-1,4,16}
+TOKENS=${TOKENS:-200}
+OUT=${OUT:-target/spec-bench}
+mkdir -p "$OUT"
+cargo build --release --quiet
+
+wait_ready() { for _ in $(seq 600); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; return 1; }
+port=18290
+bench() { # label, then kiln serve flags
+  local label=$1; shift; port=$((port + 1))
+  ./target/release/kiln serve --model "$MODEL" --port $port --served-model-name m "$@" >/dev/null 2>&1 &
+  local pid=$!
+  wait_ready http://127.0.0.1:$port/ready
+  python3 "$LOADGEN" --url http://127.0.0.1:$port --model m --concurrency "$LEVELS" \
+    --max-tokens "$TOKENS" --out "$OUT/$label.json" --label "$label"
+  curl -s http://127.0.0.1:$port/metrics | awk -v l="$label" '
+    /^kiln_spec_draft_tokens_total/ {d=$NF} /^kiln_spec_accepted_tokens_total/ {a=$NF}
+    /^kiln_spec_accept_length_sum/ {s+=$NF} /^kiln_spec_accept_length_count/ {c+=$NF}
+    END { if (c > 0) printf "%s: drafted %d, accepted %d (%.0f%%), mean accept length %.2f\n", l, d, a, 100*a/d, s/c;
+          else printf "%s: no drafts\n", l }'
+  kill $pid; wait $pid || true
+}
+bench baseline
+bench ngram-fixed --speculative-algorithm ngram --speculative-policy fixed --speculative-num-steps 3
+bench ngram-adaptive --speculative-algorithm ngram --speculative-num-steps 3
