@@ -3,7 +3,9 @@
 # drafts verified every step (fixed, S=3), and with the adaptive policy (K in 0..=3 per step), each
 # driven by ../shared/tools/loadgen.py (streaming coding prompts, closed loop, 200-token
 # completions, ignore_eos). After each config the accept length is read from /metrics.
-#   bash engine/benches/speculation.sh [MODEL]        (LEVELS=1,4,16 by default)
+# With LLAMA_SERVER set, llama.cpp's llama-server runs too, plain and with its n-gram speculation
+# (`--spec-type ngram-simple`), for the peer comparison (built outside this repository).
+#   [LLAMA_SERVER=...] bash engine/benches/speculation.sh [MODEL]        (LEVELS=1,4,16 by default)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -33,3 +35,16 @@ bench() { # label, then kiln serve flags
 bench baseline
 bench ngram-fixed --speculative-algorithm ngram --speculative-policy fixed --speculative-num-steps 3
 bench ngram-adaptive --speculative-algorithm ngram --speculative-num-steps 3
+if [ -n "${LLAMA_SERVER:-}" ]; then
+  peer() { # label, then llama-server flags
+    local label=$1; shift; port=$((port + 1))
+    "$LLAMA_SERVER" -m "$MODEL" --port $port -np 16 -c 16384 -t 2 "$@" >/dev/null 2>&1 &
+    local pid=$!
+    wait_ready http://127.0.0.1:$port/health
+    python3 "$LOADGEN" --url http://127.0.0.1:$port --model m --concurrency "$LEVELS" \
+      --max-tokens "$TOKENS" --out "$OUT/$label.json" --label "$label"
+    kill $pid; wait $pid || true
+  }
+  peer llama-server
+  peer llama-server-ngram --spec-type ngram-simple
+fi
