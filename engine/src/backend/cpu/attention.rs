@@ -93,6 +93,7 @@ pub fn attention(
     let (kc, vc) = &kv.layers[layer];
     let out_ptr = OutPtr(out.data.as_mut_ptr());
     let use_avx2 = k.level >= super::SimdLevel::Avx2;
+    let use_avx512 = k.level >= super::SimdLevel::Avx512Vnni;
     team.run(n_tokens * n_kv_heads, &|task| {
         let op = out_ptr;
         let (t, kvh) = (task / n_kv_heads, task % n_kv_heads);
@@ -120,12 +121,18 @@ pub fn attention(
         };
         SCORES.with_borrow_mut(|scores| {
             #[cfg(target_arch = "x86_64")]
+            if use_avx512 {
+                // SAFETY: as below; this level implies AVX-512 F and VL.
+                unsafe { attend_avx512(&job, scores, o) };
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
             if use_avx2 {
                 // SAFETY: the kernel level was chosen from detected CPU features.
                 unsafe { attend_avx2(&job, scores, o) };
                 return;
             }
-            let _ = use_avx2;
+            let _ = (use_avx2, use_avx512);
             attend(&job, scores, o);
         });
     });
@@ -273,6 +280,13 @@ fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
             o[d] = acc;
         }
     }
+}
+
+/// The same loops with AVX-512's 32 vector registers: the accumulators no longer spill.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+unsafe fn attend_avx512(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    attend(j, scores, out)
 }
 
 #[cfg(target_arch = "x86_64")]
