@@ -34,6 +34,9 @@ pub struct BlockQ8Act {
     pub d: f32,
     pub s: f32,
     pub qs: [i8; 32],
+    /// `qs + 128` as unsigned bytes: the unsigned operand of VNNI's u8 x i8 products against signed
+    /// 8-bit weights (which then need no sign juggling; the kernel subtracts 128 * Σw).
+    pub qu: [u8; 32],
 }
 
 pub const QBLOCK: usize = 32;
@@ -97,6 +100,7 @@ fn quantize_row_portable(x: &[f32], hi: &mut [BlockQ8Act], mut lo: Option<&mut [
         }
         for l in 0..QBLOCK {
             hb.qs[l] = q[l] as i8;
+            hb.qu[l] = (q[l] + 128) as u8;
         }
         hb.d = d;
         hb.s = d * q.iter().sum::<i32>() as f32;
@@ -115,6 +119,7 @@ fn quantize_row_portable(x: &[f32], hi: &mut [BlockQ8Act], mut lo: Option<&mut [
             }
             for l in 0..QBLOCK {
                 lb.qs[l] = r[l] as i8;
+                lb.qu[l] = (r[l] + 128) as u8;
             }
             lb.d = dl;
             lb.s = dl * r.iter().sum::<i32>() as f32;

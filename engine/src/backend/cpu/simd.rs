@@ -119,9 +119,9 @@ impl Kernels {
                     x1: x86_rows8::dot8_q8_vnni_x1,
                     x2: x86_rows8::dot8_q8_vnni_x2,
                     x4: x86_rows8::dot8_q8_vnni_x4,
-                    p1: x86_rows8::dot8_q8_vnni_p1,
-                    p2: x86_rows8::dot8_q8_vnni_p2,
-                    p4: x86_rows8::dot8_q8_vnni_p4,
+                    p1: x86_rows8::dot8_q8_unsigned_vnni_p1,
+                    p2: x86_rows8::dot8_q8_unsigned_vnni_p2,
+                    p4: x86_rows8::dot8_q8_unsigned_vnni_p4,
                 },
             },
             #[cfg(target_arch = "x86_64")]

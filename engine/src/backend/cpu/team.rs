@@ -129,6 +129,8 @@ fn worker(s: &Shared) {
     let mut seen = 0u64;
     loop {
         let idle_since = Instant::now();
+        let mut spins = 0u32;
+        let mut idle = Duration::ZERO;
         loop {
             if s.shutdown.load(Ordering::Acquire) {
                 return;
@@ -136,7 +138,11 @@ fn worker(s: &Shared) {
             if s.epoch.load(Ordering::Acquire) != seen {
                 break;
             }
-            let idle = idle_since.elapsed();
+            // Reading the clock costs more than a spin: look at it every 64th turn only.
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) {
+                idle = idle_since.elapsed();
+            }
             if idle < SPIN_FOR {
                 std::hint::spin_loop();
             } else if idle < YIELD_FOR {

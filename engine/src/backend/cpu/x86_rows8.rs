@@ -113,7 +113,7 @@ macro_rules! rows8_kernels {
 /// `(hi << LO_SHIFT) + lo` (exact: `hi.d == lo.d << LO_SHIFT`), so each pair costs one conversion and
 /// one scale instead of two.
 macro_rules! rows8_pair_kernels {
-    ($feat:literal, $acc:ident, $q4:ident, $q8:ident) => {
+    ($feat:literal, $acc:ident, $q4:ident) => {
         #[target_feature(enable = $feat)]
         unsafe fn $q4<const T: usize>(
             w: &[BlockQ4_1x8],
@@ -177,7 +177,13 @@ macro_rules! rows8_pair_kernels {
             }
             out
         }
+    };
+}
 
+/// The signed-weight pair kernel with the sign trick (`|w|` unsigned, the sign moved onto the
+/// activation), for AVX2, whose `maddubs` cannot take unsigned activations near 255.
+macro_rules! rows8_pair_sign_kernel {
+    ($feat:literal, $acc:ident, $q8:ident) => {
         #[target_feature(enable = $feat)]
         unsafe fn $q8<const T: usize>(
             w: &[BlockQ8x8],
@@ -255,17 +261,12 @@ unsafe fn acc_u8i8_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
 }
 
 rows8_kernels!("avx2,fma,f16c", acc_u8i8_avx2, dot8_q4_1_avx2, dot8_q8_avx2);
-rows8_pair_kernels!(
-    "avx2,fma,f16c",
-    acc_u8i8_avx2,
-    dot8_q4_1_pairs_avx2,
-    dot8_q8_pairs_avx2
-);
+rows8_pair_kernels!("avx2,fma,f16c", acc_u8i8_avx2, dot8_q4_1_pairs_avx2);
+rows8_pair_sign_kernel!("avx2,fma,f16c", acc_u8i8_avx2, dot8_q8_pairs_avx2);
 rows8_pair_kernels!(
     "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c",
     acc_u8i8_vnni,
-    dot8_q4_1_pairs_vnni,
-    dot8_q8_pairs_vnni
+    dot8_q4_1_pairs_vnni
 );
 rows8_kernels!(
     "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c",
@@ -310,6 +311,88 @@ safe_pair_entry!(dot8_q8_avx2_p2, dot8_q8_pairs_avx2, BlockQ8x8, 2);
 safe_pair_entry!(dot8_q4_1_vnni_p1, dot8_q4_1_pairs_vnni, BlockQ4_1x8, 1);
 safe_pair_entry!(dot8_q4_1_vnni_p2, dot8_q4_1_pairs_vnni, BlockQ4_1x8, 2);
 safe_pair_entry!(dot8_q4_1_vnni_p4, dot8_q4_1_pairs_vnni, BlockQ4_1x8, 4);
-safe_pair_entry!(dot8_q8_vnni_p1, dot8_q8_pairs_vnni, BlockQ8x8, 1);
-safe_pair_entry!(dot8_q8_vnni_p2, dot8_q8_pairs_vnni, BlockQ8x8, 2);
-safe_pair_entry!(dot8_q8_vnni_p4, dot8_q8_pairs_vnni, BlockQ8x8, 4);
+
+/// Two-level pairs against signed 8-bit weights with VNNI only: the activations' unsigned copies
+/// (`qu = q + 128`) go straight into `vpdpbusd` against the signed weights, and `128 * Σw` per row
+/// and half (one extra `vpdpbusd` against ones per weight vector, shared by every row) comes off
+/// afterwards. AVX2's `maddubs` would saturate on these operands, so it keeps the sign trick.
+#[target_feature(enable = "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")]
+unsafe fn dot8_q8_pairs_unsigned_vnni<const T: usize>(
+    w: &[BlockQ8x8],
+    hi: [&[BlockQ8Act]; T],
+    lo: [&[BlockQ8Act]; T],
+) -> [[f32; 8]; T] {
+    let nb = hi[0].len();
+    assert!(
+        w.len() >= nb && hi.iter().chain(&lo).all(|r| r.len() == nb),
+        "weight and activation block counts"
+    );
+    let ones = _mm256_set1_epi8(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        unsafe {
+            let wb = w.get_unchecked(b);
+            let qp = wb.qs.as_ptr() as *const __m256i;
+            let mut wsum = [_mm256_setzero_si256(); 2];
+            let mut hsum = [[_mm256_setzero_si256(); 2]; T];
+            let mut lsum = [[_mm256_setzero_si256(); 2]; T];
+            for k in 0..8 {
+                let wv = _mm256_loadu_si256(qp.add(k));
+                wsum[k / 4] = _mm256_dpbusd_epi32(wsum[k / 4], ones, wv);
+                for t in 0..T {
+                    let hp = hi[t].get_unchecked(b).qu.as_ptr() as *const i32;
+                    let lp = lo[t].get_unchecked(b).qu.as_ptr() as *const i32;
+                    let hv = _mm256_set1_epi32(hp.add(k).read_unaligned());
+                    let lv = _mm256_set1_epi32(lp.add(k).read_unaligned());
+                    hsum[t][k / 4] = _mm256_dpbusd_epi32(hsum[t][k / 4], hv, wv);
+                    lsum[t][k / 4] = _mm256_dpbusd_epi32(lsum[t][k / 4], lv, wv);
+                }
+            }
+            // (H << 7) + L with H = Σ(h+128)w - 128Σw and L likewise: subtract Σw (128·128 + 128).
+            let corr = wsum.map(|s| {
+                _mm256_add_epi32(
+                    _mm256_slli_epi32(s, 2 * LO_SHIFT),
+                    _mm256_slli_epi32(s, LO_SHIFT),
+                )
+            });
+            let dw = [
+                _mm256_cvtph_ps(_mm_loadu_si128(wb.d[0].as_ptr() as *const __m128i)),
+                _mm256_cvtph_ps(_mm_loadu_si128(wb.d[1].as_ptr() as *const __m128i)),
+            ];
+            for t in 0..T {
+                let da = _mm256_set1_ps(lo[t].get_unchecked(b).d);
+                for h in 0..2 {
+                    let isum = _mm256_sub_epi32(
+                        _mm256_add_epi32(_mm256_slli_epi32(hsum[t][h], LO_SHIFT), lsum[t][h]),
+                        corr[h],
+                    );
+                    acc[t] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw[h], da), acc[t]);
+                }
+            }
+        }
+    }
+    let mut out = [[0f32; 8]; T];
+    for t in 0..T {
+        unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+    }
+    out
+}
+safe_pair_entry!(
+    dot8_q8_unsigned_vnni_p1,
+    dot8_q8_pairs_unsigned_vnni,
+    BlockQ8x8,
+    1
+);
+safe_pair_entry!(
+    dot8_q8_unsigned_vnni_p2,
+    dot8_q8_pairs_unsigned_vnni,
+    BlockQ8x8,
+    2
+);
+safe_pair_entry!(
+    dot8_q8_unsigned_vnni_p4,
+    dot8_q8_pairs_unsigned_vnni,
+    BlockQ8x8,
+    4
+);
