@@ -111,11 +111,16 @@ impl Policy {
     /// Estimated seconds of a step of `tokens` tokens: linear between measured buckets,
     /// proportional beyond the outermost ones. `None` before any measurement.
     pub fn cost(&self, tokens: usize) -> Option<f64> {
-        let known: Vec<(f64, f64)> = BUCKETS
+        // A step never gets cheaper by adding tokens: a running maximum irons out noise that would
+        // make, say, 4 tokens look dearer than 6.
+        let mut known: Vec<(f64, f64)> = BUCKETS
             .iter()
             .zip(&self.cost)
             .filter_map(|(&b, c)| c.map(|c| (b as f64, c)))
             .collect();
+        for i in 1..known.len() {
+            known[i].1 = known[i].1.max(known[i - 1].1);
+        }
         let t = tokens as f64;
         let (first, last) = (known.first()?, known.last()?);
         if t <= first.0 {
@@ -165,8 +170,10 @@ impl Policy {
             reach[j + 1] = reach[j] * self.accept_prob(j);
         }
         // Expected extra tokens of a draft of length L verified up to K: Σ_{j < min(K, L)} reach[j+1].
-        let mut best = (0usize, 0f64);
-        for k in 0..=s {
+        // From the longest draft down; a shorter one must win by a clear margin, so measurement noise
+        // does not shave drafts whose acceptance is high.
+        let mut best = (s, 0f64);
+        for k in (0..=s).rev() {
             let mut tokens = other_tokens;
             let mut yield_ = 0.0;
             for &d in drafts {
@@ -178,8 +185,7 @@ impl Policy {
                 return 0;
             };
             let rate = yield_ / t.max(1e-9);
-            // Strictly better only: ties keep the cheaper, smaller K.
-            if rate > best.1 * 1.0001 {
+            if k == s || rate > best.1 * 1.01 {
                 best = (k, rate);
             }
         }
@@ -209,6 +215,10 @@ mod tests {
         let mid = p.cost(8).expect("measured");
         assert!((mid - (0.010 + 0.030 * 7.0 / 15.0)).abs() < 1e-9);
         assert!((p.cost(32).expect("measured") - 0.080).abs() < 1e-9);
+        // Noise that makes more tokens look cheaper is ironed out.
+        p.record_step(4, 0.030);
+        p.record_step(6, 0.020);
+        assert!(p.cost(6) >= p.cost(4));
     }
 
     #[test]
