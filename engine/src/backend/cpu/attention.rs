@@ -123,6 +123,9 @@ pub fn attention(
             #[cfg(target_arch = "x86_64")]
             if use_avx512 {
                 // SAFETY: as below; this level implies AVX-512 F and VL.
+                if unsafe { super::attention_x86::attend_hd64(&job, scores, o) } {
+                    return;
+                }
                 unsafe { attend_avx512(&job, scores, o) };
                 return;
             }
@@ -139,24 +142,24 @@ pub fn attention(
 }
 
 /// One (token, KV head) of attention: `group` query heads over `n_ctx` cached positions.
-struct Job<'a> {
-    q: &'a [f32],
-    kc: &'a [f32],
-    vc: &'a [f32],
-    kv: &'a CpuKvStore,
-    table: &'a [u32],
-    kv_width: usize,
-    kv_offset: usize,
-    head_dim: usize,
-    group: usize,
-    n_ctx: usize,
-    scale: f32,
+pub(super) struct Job<'a> {
+    pub q: &'a [f32],
+    pub kc: &'a [f32],
+    pub vc: &'a [f32],
+    pub kv: &'a CpuKvStore,
+    pub table: &'a [u32],
+    pub kv_width: usize,
+    pub kv_offset: usize,
+    pub head_dim: usize,
+    pub group: usize,
+    pub n_ctx: usize,
+    pub scale: f32,
 }
 
 /// The cache rows of positions `0..n_ctx`, block by block: `(first position, physical block, rows)`.
 /// Walking blocks keeps divisions out of the per-position loops.
 #[inline(always)]
-fn runs<'a>(j: &'a Job<'_>) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+pub(super) fn runs<'a>(j: &'a Job<'_>) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
     let bs = j.kv.block_size;
     j.table
         .iter()
@@ -164,6 +167,27 @@ fn runs<'a>(j: &'a Job<'_>) -> impl Iterator<Item = (usize, usize, usize)> + 'a 
         .map(move |(b, &phys)| (b * bs, phys as usize))
         .take_while(move |&(first, _)| first < j.n_ctx)
         .map(move |(first, phys)| (first, phys, bs.min(j.n_ctx - first)))
+}
+
+/// Softmax of each of `rows` rows of `n` scores, in place.
+#[inline(always)]
+pub(super) fn softmax_rows(scores: &mut [f32], rows: usize, n: usize) {
+    for g in 0..rows {
+        let sc = &mut scores[g * n..(g + 1) * n];
+        let mut max = f32::NEG_INFINITY;
+        for &v in sc.iter() {
+            max = max.max(v);
+        }
+        let mut sum = 0f32;
+        for v in sc.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        for v in sc.iter_mut() {
+            *v *= inv;
+        }
+    }
 }
 
 /// Positions per score lane group and dimensions per output lane group: two 256-bit registers.
@@ -217,22 +241,7 @@ fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
             }
         }
     }
-    for g in 0..j.group {
-        let sc = &mut scores[g * n..(g + 1) * n];
-        let mut max = f32::NEG_INFINITY;
-        for &v in sc.iter() {
-            max = max.max(v);
-        }
-        let mut sum = 0f32;
-        for v in sc.iter_mut() {
-            *v = (*v - max).exp();
-            sum += *v;
-        }
-        let inv = 1.0 / sum;
-        for v in sc.iter_mut() {
-            *v *= inv;
-        }
-    }
+    softmax_rows(scores, j.group, n);
     // Weighted V rows: 2 * LANES output dimensions stay in registers while the positions stream
     // by, even and odd positions in separate accumulators.
     const WIDE: usize = 2 * LANES;

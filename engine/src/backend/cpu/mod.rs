@@ -1,6 +1,8 @@
 //! The CPU backend: rayon threads, SIMD kernels picked at run time, f32 activations.
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_x86;
 pub mod blocks;
 pub mod matrix;
 pub mod simd;

@@ -1,0 +1,100 @@
+//! Attention for 64-wide heads with AVX-512, one (token, KV head) job at a time: the scores of 16
+//! cached positions per register from the per-block transposed K, and the weighted V sum with every
+//! query head's 64 outputs held in registers (four per head) while the positions stream by. The
+//! generic loops in `attention.rs` spill at this size; these do not.
+
+use std::arch::x86_64::*;
+
+use super::attention::{Job, runs, softmax_rows};
+
+/// Handles the job when its shape fits (head_dim 64, 1..=4 query heads per KV head, blocks of a
+/// multiple of 16 positions); `false` leaves it to the generic loops.
+///
+/// # Safety
+/// The CPU must have AVX-512 F.
+pub unsafe fn attend_hd64(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) -> bool {
+    if j.head_dim != 64 || !j.kv.block_size.is_multiple_of(16) {
+        return false;
+    }
+    unsafe {
+        match j.group {
+            1 => attend::<1>(j, scores, out),
+            2 => attend::<2>(j, scores, out),
+            3 => attend::<3>(j, scores, out),
+            4 => attend::<4>(j, scores, out),
+            _ => return false,
+        }
+    }
+    true
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn attend<const G: usize>(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    const HD: usize = 64;
+    let (n, bs) = (j.n_ctx, j.kv.block_size);
+    scores.clear();
+    scores.resize(G * n, 0.0);
+    assert!(j.q.len() >= G * HD && out.len() >= G * HD, "job buffers");
+    let qp = j.q.as_ptr();
+    for (first, phys, len) in runs(j) {
+        let base = (phys * j.kv_width + j.kv_offset) * bs;
+        assert!(base + HD * bs <= j.kc.len(), "K block inside the cache");
+        let kt = unsafe { j.kc.as_ptr().add(base) };
+        let mut c0 = 0;
+        while c0 < len {
+            unsafe {
+                // Two accumulators per head (even and odd dimensions) halve the dependency chains.
+                let mut acc = [[_mm512_setzero_ps(); 2]; G];
+                for e in (0..HD).step_by(2) {
+                    let k0 = _mm512_loadu_ps(kt.add(e * bs + c0));
+                    let k1 = _mm512_loadu_ps(kt.add((e + 1) * bs + c0));
+                    for (g, a) in acc.iter_mut().enumerate() {
+                        a[0] = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(g * HD + e)), k0, a[0]);
+                        a[1] = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(g * HD + e + 1)), k1, a[1]);
+                    }
+                }
+                // Lanes past the sequence's last position hold stale cache slots: not stored.
+                let take = 16.min(len - c0);
+                let mask: __mmask16 = if take == 16 {
+                    0xffff
+                } else {
+                    (1u16 << take) - 1
+                };
+                let scale = _mm512_set1_ps(j.scale);
+                for (g, a) in acc.iter().enumerate() {
+                    let s = _mm512_mul_ps(_mm512_add_ps(a[0], a[1]), scale);
+                    let dst = scores.as_mut_ptr().add(g * n + first + c0);
+                    _mm512_mask_storeu_ps(dst, mask, s);
+                }
+            }
+            c0 += 16;
+        }
+    }
+    softmax_rows(scores, G, n);
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 4]; G];
+        let sp = scores.as_ptr();
+        for (first, phys, len) in runs(j) {
+            let row0 = (phys * bs) * j.kv_width + j.kv_offset;
+            assert!(
+                row0 + (len - 1) * j.kv_width + HD <= j.vc.len(),
+                "V rows inside the cache"
+            );
+            for i in 0..len {
+                let vp = j.vc.as_ptr().add(row0 + i * j.kv_width);
+                let v = [0, 1, 2, 3].map(|d| _mm512_loadu_ps(vp.add(16 * d)));
+                for (g, a) in acc.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*sp.add(g * n + first + i));
+                    for d in 0..4 {
+                        a[d] = _mm512_fmadd_ps(w, v[d], a[d]);
+                    }
+                }
+            }
+        }
+        for (g, a) in acc.iter().enumerate() {
+            for (d, v) in a.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(g * HD + 16 * d), *v);
+            }
+        }
+    }
+}
