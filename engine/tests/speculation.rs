@@ -104,6 +104,27 @@ fn ngram_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     }
     assert_eq!(used, 0.0, "rejected drafts' blocks leaked");
 
+    // Sampling with speculation (rejection sampling) stays reproducible under a seed.
+    let sampled = || {
+        let (st, v) = fixed.post_json(
+            "/v1/completions",
+            &json!({"prompt": p[0].0, "max_tokens": 40, "temperature": 0.8, "seed": 7,
+                    "ignore_eos": true}),
+        );
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 40, "{v}");
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let before = fixed.metric("kiln_spec_draft_tokens_total");
+    assert_eq!(sampled(), sampled(), "seeded sampling with speculation");
+    assert!(
+        fixed.metric("kiln_spec_draft_tokens_total") > before,
+        "sampling drafted nothing"
+    );
+
     let adaptive = Server::start(&["--speculative-algorithm", "ngram"]);
     let got = concurrently(&adaptive, &p, 16);
     assert_eq!(got, want, "adaptive policy at C=16");
