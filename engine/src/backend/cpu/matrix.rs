@@ -6,7 +6,7 @@ use rayon::prelude::*;
 use super::CpuBuffer;
 use super::blocks::{
     BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8Act, BlockQ8x8, BlockQ8x16, QBLOCK, f32_to_f16,
-    quantize_activations, quantize_two_level,
+    quantize_two_level,
 };
 use super::simd::Kernels;
 use super::team::Team;
@@ -39,10 +39,13 @@ pub struct CpuMatrix {
     pub rows: usize,
     pub cols: usize,
     pub parts: Vec<Part>,
-    /// Activation rows per input row for the quantized parts: 1 (8-bit) or 2 (8-bit plus the 8-bit
-    /// residual, ~15 bits).
-    pub act_levels: usize,
 }
+
+/// Activation rows per input row for the quantized parts: the 8-bit value and its 7-bit residual.
+/// Single 8-bit activations (llama.cpp's choice) move SmolLM2-135M's logits by up to 6% of their
+/// range and flip greedy tokens with margins near 0.2; two levels bring that to ~6e-4 for a second
+/// integer dot product on weights already unpacked.
+const ACT_LEVELS: usize = 2;
 
 fn block_count(v: &TensorView, cols: usize) -> Result<usize> {
     if !cols.is_multiple_of(QBLOCK) {
@@ -213,10 +216,6 @@ impl CpuMatrix {
             rows: prepared.iter().map(|p| p.rows).sum(),
             cols,
             parts: prepared,
-            // Two levels: single 8-bit activations (llama.cpp's choice) move SmolLM2-135M's logits by
-            // up to 6% of their range and flip greedy tokens with margins near 0.2; two levels bring
-            // that to ~6e-4 for a second integer dot product on weights already unpacked.
-            act_levels: 2,
         })
     }
 
@@ -372,9 +371,10 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
     out.resize(n, w.rows);
     let needs_act = w.parts.iter().any(|p| !matches!(p.data, Rows::F32(_)));
     let nb = w.cols / QBLOCK;
-    let levels = if needs_act { w.act_levels } else { 1 };
+    // f32 parts read `x` directly: one pass, no activation rows.
+    let levels = if needs_act { ACT_LEVELS } else { 1 };
     let acts = if needs_act {
-        quantize_rows(x, nb, levels)
+        quantize_rows(x, nb)
     } else {
         Vec::new()
     };
@@ -416,9 +416,11 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                 team.run(groups.div_ceil(chunk), &|c| {
                     let op = out_ptr;
                     let (g0, g1) = (c * chunk, ((c + 1) * chunk).min(groups));
-                    let act = |r: usize| &acts[r * nb..(r + 1) * nb];
-                    // Row `l` of token `t`'s activations.
-                    let row = |t: usize, l: usize| act(t * levels + l);
+                    // Level `l` of token `t`'s activations.
+                    let row = |t: usize, l: usize| {
+                        let r = t * ACT_LEVELS + l;
+                        &acts[r * nb..(r + 1) * nb]
+                    };
                     // Up to four tokens per pass over this chunk's weights, which stay in L1
                     // between passes.
                     let mut t0 = 0;
@@ -435,23 +437,15 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                             macro_rules! run {
                                 ($kern:expr, $b:expr) => {{
                                     let wg = &$b[g * nb..(g + 1) * nb];
-                                    match (take, levels) {
-                                        (4, 1) => {
-                                            vals = ($kern.x4)(wg, [hi(0), hi(1), hi(2), hi(3)])
-                                        }
-                                        (2, 1) => vals[..2]
-                                            .copy_from_slice(&($kern.x2)(wg, [hi(0), hi(1)])),
-                                        (_, 1) => {
-                                            vals[..1].copy_from_slice(&($kern.x1)(wg, [hi(0)]))
-                                        }
-                                        (4, _) => {
+                                    match take {
+                                        4 => {
                                             vals = ($kern.p4)(
                                                 wg,
                                                 [hi(0), hi(1), hi(2), hi(3)],
                                                 [lo(0), lo(1), lo(2), lo(3)],
                                             )
                                         }
-                                        (2, _) => vals[..2].copy_from_slice(&($kern.p2)(
+                                        2 => vals[..2].copy_from_slice(&($kern.p2)(
                                             wg,
                                             [hi(0), hi(1)],
                                             [lo(0), lo(1)],
@@ -552,24 +546,21 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
     }
 }
 
-/// Quantized activations, `levels` rows of `nb` blocks per input row (see `CpuMatrix::act_levels`).
-fn quantize_rows(x: &CpuBuffer, nb: usize, levels: usize) -> Vec<BlockQ8Act> {
-    let mut a = vec![BlockQ8Act::default(); x.rows * levels * nb];
+/// Two-level quantized activations: per input row, `nb` blocks of the 8-bit level, then `nb` of the
+/// residual (`ACT_LEVELS` rows).
+fn quantize_rows(x: &CpuBuffer, nb: usize) -> Vec<BlockQ8Act> {
+    let mut a = vec![BlockQ8Act::default(); x.rows * ACT_LEVELS * nb];
     let quantize = |(ab, xr): (&mut [BlockQ8Act], &[f32])| {
-        if levels == 2 {
-            let (hi, lo) = ab.split_at_mut(nb);
-            quantize_two_level(xr, hi, lo);
-        } else {
-            quantize_activations(xr, ab);
-        }
+        let (hi, lo) = ab.split_at_mut(nb);
+        quantize_two_level(xr, hi, lo);
     };
     if x.rows >= 8 {
-        a.par_chunks_mut(levels * nb)
+        a.par_chunks_mut(ACT_LEVELS * nb)
             .zip(x.data.par_chunks(x.cols))
             .for_each(quantize);
     } else {
         // A thread hand-off costs more than quantizing a few rows.
-        a.chunks_mut(levels * nb)
+        a.chunks_mut(ACT_LEVELS * nb)
             .zip(x.data.chunks(x.cols))
             .for_each(quantize);
     }

@@ -50,28 +50,40 @@ impl SimdLevel {
     }
 }
 
-/// Eight weight rows against `T` activation rows: `T` results of eight rows each.
-pub type Rows8Fn<W, const T: usize> = fn(&[W], [&[BlockQ8Act]; T]) -> [[f32; 8]; T];
-
 /// Eight weight rows against `T` two-level activation rows, given as their `hi` and `lo` levels.
 pub type Pairs8Fn<W, const T: usize> =
     fn(&[W], [&[BlockQ8Act]; T], [&[BlockQ8Act]; T]) -> [[f32; 8]; T];
 
-/// One eight-row kernel at three activation-row counts, for single-level rows (`x*`) and for
-/// two-level rows (`p*`).
+/// One eight-row kernel at three activation-row counts (two-level rows).
 #[derive(Clone, Copy)]
 pub struct Rows8<W: 'static> {
-    pub x1: Rows8Fn<W, 1>,
-    pub x2: Rows8Fn<W, 2>,
-    pub x4: Rows8Fn<W, 4>,
     pub p1: Pairs8Fn<W, 1>,
     pub p2: Pairs8Fn<W, 2>,
     pub p4: Pairs8Fn<W, 4>,
 }
 
-/// A two-level result from two single-level ones (`hi` and `lo` are ordinary activation rows).
-fn sum_levels<const T: usize>(h: [[f32; 8]; T], l: [[f32; 8]; T]) -> [[f32; 8]; T] {
-    std::array::from_fn(|t| std::array::from_fn(|i| h[t][i] + l[t][i]))
+/// The scalar two-level kernels: `hi` and `lo` are ordinary activation rows, so a pair's result is
+/// the sum of two single-row dot products.
+fn scalar_pairs_q4_1<const T: usize>(
+    w: &[BlockQ4_1x8],
+    h: [&[BlockQ8Act]; T],
+    l: [&[BlockQ8Act]; T],
+) -> [[f32; 8]; T] {
+    std::array::from_fn(|t| {
+        let (a, b) = (scalar::dot8_q4_1(w, h[t]), scalar::dot8_q4_1(w, l[t]));
+        std::array::from_fn(|i| a[i] + b[i])
+    })
+}
+
+fn scalar_pairs_q8<const T: usize>(
+    w: &[BlockQ8x8],
+    h: [&[BlockQ8Act]; T],
+    l: [&[BlockQ8Act]; T],
+) -> [[f32; 8]; T] {
+    std::array::from_fn(|t| {
+        let (a, b) = (scalar::dot8_q8(w, h[t]), scalar::dot8_q8(w, l[t]));
+        std::array::from_fn(|i| a[i] + b[i])
+    })
 }
 
 /// The kernel set of one SIMD level.
@@ -87,9 +99,9 @@ pub struct Kernels {
     pub dot4_q4_1: fn([&[BlockQ4_1]; 4], &[BlockQ8Act]) -> [f32; 4],
     pub dot4_q8_0: fn([&[BlockQ8_0]; 4], &[BlockQ8Act]) -> [f32; 4],
     pub dot4_q8x16: fn([&[BlockQ8x16]; 4], &[BlockQ8Act]) -> [f32; 4],
-    /// Eight interleaved rows against one, two or four activation rows, one SIMD lane per weight row:
-    /// no horizontal sums, the eight rows' scales convert in one instruction, and each weight block
-    /// is unpacked once for all activation rows.
+    /// Eight interleaved rows against one, two or four two-level activation rows, one SIMD lane per
+    /// weight row: no horizontal sums, the eight rows' scales convert in one instruction, and each
+    /// weight block is unpacked once for all activation rows.
     pub dot8_q4_1: Rows8<BlockQ4_1x8>,
     pub dot8_q8: Rows8<BlockQ8x8>,
 }
@@ -108,17 +120,11 @@ impl Kernels {
                 dot4_q8_0: x86::dot4_q8_0_vnni_safe,
                 dot4_q8x16: x86::dot4_q8x16_vnni_safe,
                 dot8_q4_1: Rows8 {
-                    x1: x86_rows8::dot8_q4_1_vnni_x1,
-                    x2: x86_rows8::dot8_q4_1_vnni_x2,
-                    x4: x86_rows8::dot8_q4_1_vnni_x4,
                     p1: x86_rows8::dot8_q4_1_vnni_p1,
                     p2: x86_rows8::dot8_q4_1_vnni_p2,
                     p4: x86_rows8::dot8_q4_1_vnni_p4,
                 },
                 dot8_q8: Rows8 {
-                    x1: x86_rows8::dot8_q8_vnni_x1,
-                    x2: x86_rows8::dot8_q8_vnni_x2,
-                    x4: x86_rows8::dot8_q8_vnni_x4,
                     p1: x86_rows8::dot8_q8_unsigned_vnni_p1,
                     p2: x86_rows8::dot8_q8_unsigned_vnni_p2,
                     p4: x86_rows8::dot8_q8_unsigned_vnni_p4,
@@ -135,9 +141,6 @@ impl Kernels {
                 dot4_q8_0: x86::dot4_q8_0_avx2_safe,
                 dot4_q8x16: x86::dot4_q8x16_avx2_safe,
                 dot8_q4_1: Rows8 {
-                    x1: x86_rows8::dot8_q4_1_avx2_x1,
-                    x2: x86_rows8::dot8_q4_1_avx2_x2,
-                    x4: x86_rows8::dot8_q4_1_avx2_x4,
                     p1: x86_rows8::dot8_q4_1_avx2_p1,
                     p2: x86_rows8::dot8_q4_1_avx2_p2,
                     p4: |w, h, l| {
@@ -147,9 +150,6 @@ impl Kernels {
                     },
                 },
                 dot8_q8: Rows8 {
-                    x1: x86_rows8::dot8_q8_avx2_x1,
-                    x2: x86_rows8::dot8_q8_avx2_x2,
-                    x4: x86_rows8::dot8_q8_avx2_x4,
                     p1: x86_rows8::dot8_q8_avx2_p1,
                     p2: x86_rows8::dot8_q8_avx2_p2,
                     p4: |w, h, l| {
@@ -169,50 +169,14 @@ impl Kernels {
                 dot4_q8_0: |w, a| w.map(|r| scalar::dot_q8_0(r, a)),
                 dot4_q8x16: |w, a| w.map(|r| scalar::dot_q8x16(r, a)),
                 dot8_q4_1: Rows8 {
-                    x1: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
-                    x2: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
-                    x4: |w, a| a.map(|r| scalar::dot8_q4_1(w, r)),
-                    p1: |w, h, l| {
-                        sum_levels(
-                            h.map(|r| scalar::dot8_q4_1(w, r)),
-                            l.map(|r| scalar::dot8_q4_1(w, r)),
-                        )
-                    },
-                    p2: |w, h, l| {
-                        sum_levels(
-                            h.map(|r| scalar::dot8_q4_1(w, r)),
-                            l.map(|r| scalar::dot8_q4_1(w, r)),
-                        )
-                    },
-                    p4: |w, h, l| {
-                        sum_levels(
-                            h.map(|r| scalar::dot8_q4_1(w, r)),
-                            l.map(|r| scalar::dot8_q4_1(w, r)),
-                        )
-                    },
+                    p1: scalar_pairs_q4_1::<1>,
+                    p2: scalar_pairs_q4_1::<2>,
+                    p4: scalar_pairs_q4_1::<4>,
                 },
                 dot8_q8: Rows8 {
-                    x1: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
-                    x2: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
-                    x4: |w, a| a.map(|r| scalar::dot8_q8(w, r)),
-                    p1: |w, h, l| {
-                        sum_levels(
-                            h.map(|r| scalar::dot8_q8(w, r)),
-                            l.map(|r| scalar::dot8_q8(w, r)),
-                        )
-                    },
-                    p2: |w, h, l| {
-                        sum_levels(
-                            h.map(|r| scalar::dot8_q8(w, r)),
-                            l.map(|r| scalar::dot8_q8(w, r)),
-                        )
-                    },
-                    p4: |w, h, l| {
-                        sum_levels(
-                            h.map(|r| scalar::dot8_q8(w, r)),
-                            l.map(|r| scalar::dot8_q8(w, r)),
-                        )
-                    },
+                    p1: scalar_pairs_q8::<1>,
+                    p2: scalar_pairs_q8::<2>,
+                    p4: scalar_pairs_q8::<4>,
                 },
             },
         }
@@ -774,9 +738,29 @@ mod tests {
                 BlockQ8x8::pack(std::array::from_fn(|i| &vals[i]), d)
             })
             .collect();
-        let a: Vec<Vec<BlockQ8Act>> = (0..4).map(|_| acts(n)).collect();
-        let want4: Vec<[f32; 8]> = a.iter().map(|ar| scalar::dot8_q4_1(&q4, ar)).collect();
-        let want8: Vec<[f32; 8]> = a.iter().map(|ar| scalar::dot8_q8(&q8, ar)).collect();
+        // Four two-level rows: hi and lo from one row of values each.
+        let (h, l): (Vec<_>, Vec<_>) = (0..4)
+            .map(|_| {
+                let x: Vec<f32> = (0..n * 32).map(|_| r.random_range(-3.0..3.0)).collect();
+                let mut h = vec![BlockQ8Act::default(); n];
+                let mut l = vec![BlockQ8Act::default(); n];
+                quantize_two_level(&x, &mut h, &mut l);
+                (h, l)
+            })
+            .unzip();
+        // The reference: each level an ordinary activation row, their results summed.
+        let want4: Vec<[f32; 8]> = (0..4)
+            .map(|t| {
+                let (a, b) = (scalar::dot8_q4_1(&q4, &h[t]), scalar::dot8_q4_1(&q4, &l[t]));
+                std::array::from_fn(|i| a[i] + b[i])
+            })
+            .collect();
+        let want8: Vec<[f32; 8]> = (0..4)
+            .map(|t| {
+                let (a, b) = (scalar::dot8_q8(&q8, &h[t]), scalar::dot8_q8(&q8, &l[t]));
+                std::array::from_fn(|i| a[i] + b[i])
+            })
+            .collect();
         let same = |got: &[[f32; 8]], want: &[[f32; 8]], what: &str| {
             for (g, w) in got.iter().zip(want) {
                 for (x, y) in g.iter().zip(w) {
@@ -784,103 +768,38 @@ mod tests {
                 }
             }
         };
+        let (h4, l4) = ([&h[0], &h[1], &h[2], &h[3]], [&l[0], &l[1], &l[2], &l[3]]);
+        let (h4, l4) = (h4.map(|v| &v[..]), l4.map(|v| &v[..]));
         for level in SimdLevel::available() {
             let k = Kernels::for_level(level);
-            let (kern, w, want) = (&k.dot8_q4_1, &q4, &want4);
+            let kern = &k.dot8_q4_1;
             same(
-                &(kern.x1)(w, [&a[0]]),
-                &want[..1],
-                &format!("{level:?} q4_1 x1"),
+                &(kern.p1)(&q4, [h4[0]], [l4[0]]),
+                &want4[..1],
+                &format!("{level:?} q4_1 p1"),
             );
             same(
-                &(kern.x2)(w, [&a[0], &a[1]]),
-                &want[..2],
-                &format!("{level:?} q4_1 x2"),
+                &(kern.p2)(&q4, [h4[0], h4[1]], [l4[0], l4[1]]),
+                &want4[..2],
+                &format!("{level:?} q4_1 p2"),
             );
             same(
-                &(kern.x4)(w, [&a[0], &a[1], &a[2], &a[3]]),
-                want,
-                &format!("{level:?} q4_1 x4"),
+                &(kern.p4)(&q4, h4, l4),
+                &want4,
+                &format!("{level:?} q4_1 p4"),
             );
-            // Two-level pairs: hi and lo from one row of values, against the sum of both levels.
-            let (h, l): (Vec<_>, Vec<_>) = a
-                .iter()
-                .map(|_| {
-                    let x: Vec<f32> = (0..n * 32).map(|_| r.random_range(-3.0..3.0)).collect();
-                    let mut h = vec![BlockQ8Act::default(); n];
-                    let mut l = vec![BlockQ8Act::default(); n];
-                    quantize_two_level(&x, &mut h, &mut l);
-                    (h, l)
-                })
-                .unzip();
-            let (kern, name) = (&k.dot8_q4_1, "q4_1");
-            let want: Vec<[f32; 8]> = (0..4)
-                .map(|t| {
-                    let (a, b) = (scalar::dot8_q4_1(&q4, &h[t]), scalar::dot8_q4_1(&q4, &l[t]));
-                    std::array::from_fn(|i| a[i] + b[i])
-                })
-                .collect();
-            same(
-                &(kern.p1)(&q4, [&h[0]], [&l[0]]),
-                &want[..1],
-                &format!("{level:?} {name} p1"),
-            );
-            same(
-                &(kern.p2)(&q4, [&h[0], &h[1]], [&l[0], &l[1]]),
-                &want[..2],
-                &format!("{level:?} {name} p2"),
-            );
-            same(
-                &(kern.p4)(
-                    &q4,
-                    [&h[0], &h[1], &h[2], &h[3]],
-                    [&l[0], &l[1], &l[2], &l[3]],
-                ),
-                &want,
-                &format!("{level:?} {name} p4"),
-            );
-            let want: Vec<[f32; 8]> = (0..4)
-                .map(|t| {
-                    let (a, b) = (scalar::dot8_q8(&q8, &h[t]), scalar::dot8_q8(&q8, &l[t]));
-                    std::array::from_fn(|i| a[i] + b[i])
-                })
-                .collect();
             let kern = &k.dot8_q8;
             same(
-                &(kern.p1)(&q8, [&h[0]], [&l[0]]),
-                &want[..1],
+                &(kern.p1)(&q8, [h4[0]], [l4[0]]),
+                &want8[..1],
                 &format!("{level:?} q8 p1"),
             );
             same(
-                &(kern.p2)(&q8, [&h[0], &h[1]], [&l[0], &l[1]]),
-                &want[..2],
+                &(kern.p2)(&q8, [h4[0], h4[1]], [l4[0], l4[1]]),
+                &want8[..2],
                 &format!("{level:?} q8 p2"),
             );
-            same(
-                &(kern.p4)(
-                    &q8,
-                    [&h[0], &h[1], &h[2], &h[3]],
-                    [&l[0], &l[1], &l[2], &l[3]],
-                ),
-                &want,
-                &format!("{level:?} q8 p4"),
-            );
-
-            same(
-                &(kern.x1)(&q8, [&a[0]]),
-                &want8[..1],
-                &format!("{level:?} q8 x1"),
-            );
-            same(
-                &(kern.x2)(&q8, [&a[0], &a[1]]),
-                &want8[..2],
-                &format!("{level:?} q8 x2"),
-            );
-            same(
-                &(kern.x4)(&q8, [&a[0], &a[1], &a[2], &a[3]]),
-                &want8,
-                &format!("{level:?} q8 x4"),
-            );
+            same(&(kern.p4)(&q8, h4, l4), &want8, &format!("{level:?} q8 p4"));
         }
     }
 

@@ -5,111 +5,8 @@ use std::arch::x86_64::*;
 
 use super::blocks::{BlockQ4_1x8, BlockQ8Act, BlockQ8x8, LO_SHIFT};
 
-macro_rules! rows8_kernels {
-    ($feat:literal, $acc:ident, $q4:ident, $q8:ident) => {
-        /// `T` activation rows against one group of eight weight rows: each weight block is loaded
-        /// and unpacked once for all `T` rows.
-        #[target_feature(enable = $feat)]
-        unsafe fn $q4<const T: usize>(w: &[BlockQ4_1x8], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
-            let nb = a[0].len();
-            assert!(
-                w.len() >= nb && a.iter().all(|r| r.len() == nb),
-                "weight and activation block counts"
-            );
-            let mask = _mm256_set1_epi8(0x0f);
-            let mut acc = [_mm256_setzero_ps(); T];
-            for b in 0..nb {
-                unsafe {
-                    let wb = w.get_unchecked(b);
-                    let qp = wb.qs.as_ptr() as *const __m256i;
-                    let mut lo_sum = [_mm256_setzero_si256(); T];
-                    let mut hi_sum = [_mm256_setzero_si256(); T];
-                    for j in 0..4 {
-                        let raw = _mm256_loadu_si256(qp.add(j));
-                        let lo = _mm256_and_si256(raw, mask);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                        for t in 0..T {
-                            let ap = a[t].get_unchecked(b).qs.as_ptr() as *const i32;
-                            lo_sum[t] = $acc(
-                                lo_sum[t],
-                                lo,
-                                _mm256_set1_epi32(ap.add(2 * j).read_unaligned()),
-                            );
-                            hi_sum[t] = $acc(
-                                hi_sum[t],
-                                hi,
-                                _mm256_set1_epi32(ap.add(2 * j + 1).read_unaligned()),
-                            );
-                        }
-                    }
-                    let d = _mm256_cvtph_ps(_mm_loadu_si128(wb.d.as_ptr() as *const __m128i));
-                    let m = _mm256_cvtph_ps(_mm_loadu_si128(wb.m.as_ptr() as *const __m128i));
-                    for t in 0..T {
-                        let ab = a[t].get_unchecked(b);
-                        let isum = _mm256_add_epi32(lo_sum[t], hi_sum[t]);
-                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab.d));
-                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t]);
-                        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), acc[t]);
-                    }
-                }
-            }
-            let mut out = [[0f32; 8]; T];
-            for t in 0..T {
-                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
-            }
-            out
-        }
-
-        #[target_feature(enable = $feat)]
-        unsafe fn $q8<const T: usize>(w: &[BlockQ8x8], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
-            let nb = a[0].len();
-            assert!(
-                w.len() >= nb && a.iter().all(|r| r.len() == nb),
-                "weight and activation block counts"
-            );
-            let mut acc = [_mm256_setzero_ps(); T];
-            for b in 0..nb {
-                unsafe {
-                    let wb = w.get_unchecked(b);
-                    let qp = wb.qs.as_ptr() as *const __m256i;
-                    let mut sums = [[_mm256_setzero_si256(); 2]; T];
-                    for k in 0..8 {
-                        let wv = _mm256_loadu_si256(qp.add(k));
-                        // The unsigned x signed instructions need |w|, and a carrying w's sign.
-                        let wabs = _mm256_sign_epi8(wv, wv);
-                        for t in 0..T {
-                            let ap = a[t].get_unchecked(b).qs.as_ptr() as *const i32;
-                            let av = _mm256_set1_epi32(ap.add(k).read_unaligned());
-                            sums[t][k / 4] = $acc(sums[t][k / 4], wabs, _mm256_sign_epi8(av, wv));
-                        }
-                    }
-                    let d0 = _mm256_cvtph_ps(_mm_loadu_si128(wb.d[0].as_ptr() as *const __m128i));
-                    let d1 = _mm256_cvtph_ps(_mm_loadu_si128(wb.d[1].as_ptr() as *const __m128i));
-                    for t in 0..T {
-                        let da = _mm256_set1_ps(a[t].get_unchecked(b).d);
-                        acc[t] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(sums[t][0]),
-                            _mm256_mul_ps(d0, da),
-                            acc[t],
-                        );
-                        acc[t] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(sums[t][1]),
-                            _mm256_mul_ps(d1, da),
-                            acc[t],
-                        );
-                    }
-                }
-            }
-            let mut out = [[0f32; 8]; T];
-            for t in 0..T {
-                unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
-            }
-            out
-        }
-    };
-}
-
-/// Two-level (hi, lo) activation pairs: the kernels above with the pair's integer sums combined as
+/// Two-level (hi, lo) activation pairs against one group of eight weight rows, `T` pairs at a time:
+/// each weight block is loaded and unpacked once for all of them, and a pair's integer sums combine as
 /// `(hi << LO_SHIFT) + lo` (exact: `hi.d == lo.d << LO_SHIFT`), so each pair costs one conversion and
 /// one scale instead of two.
 macro_rules! rows8_pair_kernels {
@@ -260,7 +157,6 @@ unsafe fn acc_u8i8_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(acc, u, s)
 }
 
-rows8_kernels!("avx2,fma,f16c", acc_u8i8_avx2, dot8_q4_1_avx2, dot8_q8_avx2);
 rows8_pair_kernels!("avx2,fma,f16c", acc_u8i8_avx2, dot8_q4_1_pairs_avx2);
 rows8_pair_sign_kernel!("avx2,fma,f16c", acc_u8i8_avx2, dot8_q8_pairs_avx2);
 rows8_pair_kernels!(
@@ -268,35 +164,9 @@ rows8_pair_kernels!(
     acc_u8i8_vnni,
     dot8_q4_1_pairs_vnni
 );
-rows8_kernels!(
-    "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c",
-    acc_u8i8_vnni,
-    dot8_q4_1_vnni,
-    dot8_q8_vnni
-);
 
-/// Safe entry points, `T` activation rows at a time: only installed in a `Kernels` after
-/// `SimdLevel::detect` saw the features.
-macro_rules! safe_entry {
-    ($name:ident, $inner:ident, $w:ty, $t:literal) => {
-        pub fn $name(w: &[$w], a: [&[BlockQ8Act]; $t]) -> [[f32; 8]; $t] {
-            unsafe { $inner::<$t>(w, a) }
-        }
-    };
-}
-safe_entry!(dot8_q4_1_avx2_x1, dot8_q4_1_avx2, BlockQ4_1x8, 1);
-safe_entry!(dot8_q4_1_avx2_x2, dot8_q4_1_avx2, BlockQ4_1x8, 2);
-safe_entry!(dot8_q4_1_avx2_x4, dot8_q4_1_avx2, BlockQ4_1x8, 4);
-safe_entry!(dot8_q8_avx2_x1, dot8_q8_avx2, BlockQ8x8, 1);
-safe_entry!(dot8_q8_avx2_x2, dot8_q8_avx2, BlockQ8x8, 2);
-safe_entry!(dot8_q8_avx2_x4, dot8_q8_avx2, BlockQ8x8, 4);
-safe_entry!(dot8_q4_1_vnni_x1, dot8_q4_1_vnni, BlockQ4_1x8, 1);
-safe_entry!(dot8_q4_1_vnni_x2, dot8_q4_1_vnni, BlockQ4_1x8, 2);
-safe_entry!(dot8_q4_1_vnni_x4, dot8_q4_1_vnni, BlockQ4_1x8, 4);
-safe_entry!(dot8_q8_vnni_x1, dot8_q8_vnni, BlockQ8x8, 1);
-safe_entry!(dot8_q8_vnni_x2, dot8_q8_vnni, BlockQ8x8, 2);
-safe_entry!(dot8_q8_vnni_x4, dot8_q8_vnni, BlockQ8x8, 4);
-
+/// Safe entry points, `T` pairs at a time: only installed in a `Kernels` after `SimdLevel::detect`
+/// saw the features.
 macro_rules! safe_pair_entry {
     ($name:ident, $inner:ident, $w:ty, $t:literal) => {
         pub fn $name(w: &[$w], hi: [&[BlockQ8Act]; $t], lo: [&[BlockQ8Act]; $t]) -> [[f32; 8]; $t] {
