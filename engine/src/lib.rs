@@ -3,15 +3,20 @@
 //! Layers, from the bottom: `weights` (GGUF and safetensors readers), `backend` (the op trait and its
 //! CPU implementation), `model` (the Llama family over any backend), `kv_cache` (paged block
 //! bookkeeping), `tokenizer`, `sampling`, `generate` (a single-sequence driver), `batching` (the continuous-batching
-//! scheduler and engine thread), `metrics`, and `server` (the OpenAI-compatible HTTP server).
+//! scheduler and engine thread), `metrics`, `server` (the OpenAI-compatible HTTP server), and the production tooling around it:
+//! `bench` (the concurrency sweep client), `lock` (the frozen configuration and the machine's
+//! fingerprint) and `doctor` (preflight and drift checks).
 
 pub mod backend;
 pub mod batching;
+pub mod bench;
 pub mod catalog;
+pub mod doctor;
 pub mod error;
 pub mod generate;
 pub mod kv_cache;
 pub mod load;
+pub mod lock;
 pub mod metrics;
 pub mod model;
 pub mod sampling;

@@ -1,0 +1,48 @@
+//! Build identity for `kiln lock`'s fingerprint: the git revision (`$KILN_GIT_REV` wins, for builds
+//! from a source tarball such as Nix's) and the upstream patch series the build applied
+//! (`patches/series` beside the workspace, one patch file name per line, with each file's sha256).
+
+use std::path::Path;
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=KILN_GIT_REV");
+    let rev = std::env::var("KILN_GIT_REV")
+        .ok()
+        .filter(|r| !r.is_empty())
+        .or_else(|| {
+            let out = Command::new("git")
+                .args(["rev-parse", "--short=12", "HEAD"])
+                .output()
+                .ok()?;
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        });
+    println!(
+        "cargo:rustc-env=KILN_GIT_REV={}",
+        rev.unwrap_or_else(|| "unknown".into())
+    );
+    if Path::new("../.git/HEAD").exists() {
+        println!("cargo:rerun-if-changed=../.git/HEAD");
+    }
+
+    let series = Path::new("../patches/series");
+    println!("cargo:rerun-if-changed=../patches");
+    let mut listed = Vec::new();
+    if let Ok(text) = std::fs::read_to_string(series) {
+        for name in text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        {
+            let hash = std::fs::read(Path::new("../patches").join(name))
+                .map(|b| format!("{:x}", Sha256::digest(&b)))
+                .unwrap_or_else(|_| "missing".into());
+            listed.push(format!("{name}={hash}"));
+        }
+    }
+    println!("cargo:rustc-env=KILN_PATCHES={}", listed.join(";"));
+}
