@@ -11,6 +11,7 @@ pub mod backend;
 pub mod batching;
 pub mod bench;
 pub mod catalog;
+pub mod doc;
 pub mod doctor;
 pub mod error;
 pub mod generate;

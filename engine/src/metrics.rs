@@ -25,6 +25,12 @@ pub struct PositionLabels {
     pub position: String,
 }
 
+/// One `kiln doctor` check of a served lock (`fingerprint`, `drift driver`, `canary`, ...).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CheckLabels {
+    pub check: String,
+}
+
 /// Batch-size bucket of a step (`1`, `2-4`, `5-16`, `17-64`, `65+`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BatchLabels {
@@ -71,6 +77,11 @@ pub struct Metrics {
     pub batch_tokens: Histogram,
     /// 1 once the model is loaded and warmed up.
     pub ready: Gauge,
+    /// With `--lock`: 1 for each check that failed (the machine drifted from the lock), 0 for
+    /// each that passed.
+    pub lock_drift: Family<CheckLabels, Gauge>,
+    /// With `--canary`: the canary's output tok/s over the locked number.
+    pub canary_ratio: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl Metrics {
@@ -105,6 +116,8 @@ impl Metrics {
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
             batch_tokens: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
             ready: Gauge::default(),
+            lock_drift: Family::default(),
+            canary_ratio: Gauge::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -176,6 +189,16 @@ impl Metrics {
             "batch_tokens",
             "Tokens per engine step",
             m.batch_tokens.clone(),
+        );
+        r.register(
+            "lock_drift",
+            "1 where a check of the served lock failed (drift), 0 where it passed",
+            m.lock_drift.clone(),
+        );
+        r.register(
+            "canary_ratio",
+            "The canary benchmark's output tok/s over the locked number",
+            m.canary_ratio.clone(),
         );
         r.register(
             "model_ready",

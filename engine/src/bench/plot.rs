@@ -21,8 +21,8 @@ fn register_font() -> Result<(), String> {
 /// Writes `stem.png` and `stem.svg`.
 pub fn write(runs: &[BenchResult], stem: &Path) -> Result<(), String> {
     register_font()?;
-    let png = stem.with_extension("png");
-    let svg = stem.with_extension("svg");
+    let png = std::path::PathBuf::from(format!("{}.png", stem.display()));
+    let svg = std::path::PathBuf::from(format!("{}.svg", stem.display()));
     {
         let root = BitMapBackend::new(&png, (1200, 500)).into_drawing_area();
         draw(&root, runs).map_err(|e| format!("{}: {e}", png.display()))?;

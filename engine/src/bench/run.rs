@@ -109,7 +109,7 @@ pub async fn run(
     if settings.concurrency.is_empty() || settings.concurrency.contains(&0) {
         return Err("concurrency levels must be given and each at least 1".into());
     }
-    if !(settings.request_timeout_s > 0.0) {
+    if settings.request_timeout_s.is_nan() || settings.request_timeout_s <= 0.0 {
         return Err("request timeout must be positive".into());
     }
     let mut target = Target {

@@ -1,8 +1,13 @@
 //! Subcommands. Environment variables are read here, never in the library.
 
+mod bench;
+mod doc;
+mod doctor;
 mod fetch;
 mod generate;
+mod lock;
 mod serve;
+mod sweep;
 
 use std::path::PathBuf;
 
@@ -23,6 +28,14 @@ enum Command {
     Fetch(fetch::FetchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
     Serve(Box<serve::ServeArgs>),
+    /// Benchmark a server over concurrency levels; compare runs; sweep configs of kiln.
+    Bench(Box<bench::BenchArgs>),
+    /// Freeze a sweep's chosen config into a lock file, with its evidence.
+    Lock(lock::LockArgs),
+    /// Write the production document (production.md) from a lock.
+    Doc(doc::DocArgs),
+    /// Check the machine (GPUs, driver, CUDA, NCCL, memlock, P2P) and its drift from a lock.
+    Doctor(doctor::DoctorArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -30,6 +43,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(a) => generate::run(a),
         Command::Fetch(a) => fetch::run(a),
         Command::Serve(a) => serve::run(*a),
+        Command::Bench(a) => bench::run(*a),
+        Command::Lock(a) => lock::run(a),
+        Command::Doc(a) => doc::run(a),
+        Command::Doctor(a) => doctor::run(a),
     }
 }
 

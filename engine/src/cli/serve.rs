@@ -7,17 +7,38 @@ use std::time::Duration;
 use anyhow::Context;
 use kiln::backend::Precision;
 use kiln::catalog::DEFAULT_MODEL;
-use kiln::server::state::ServeOptions;
+use kiln::lock::DriftPolicy;
+use kiln::server::state::{Canary, LockGuard, ServeOptions};
 use kiln::speculation::{SpecConfig, SpecMethod, SpecPolicy};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(clap::Args, Deserialize, Default, Debug, Clone)]
+#[derive(clap::Args, Serialize, Deserialize, Default, Debug, Clone)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct ServeArgs {
     /// TOML file with any of these settings (keys as the flag names, e.g. `max-running = 32`).
     #[arg(long)]
     #[serde(skip)]
     config: Option<PathBuf>,
+    /// Run exactly this lock (from `kiln lock create`): its model, settings and environment, after
+    /// the doctor's checks against its fingerprint. Only --api-key(-file), --instance,
+    /// --drift-policy, --canary and --skip-model-hash may be given with it.
+    #[arg(long)]
+    #[serde(skip)]
+    lock: Option<PathBuf>,
+    /// With --lock, when the machine drifted from it: warn (serve; drift in the log, /metrics and
+    /// /ready) or refuse (exit non-zero) [default: the lock's `drift-policy`, else warn].
+    #[arg(long, value_enum)]
+    #[serde(skip)]
+    drift_policy: Option<DriftPolicy>,
+    /// With --lock, after warm-up run a short benchmark at the lock's first concurrency level
+    /// and compare its output tok/s with the locked numbers (the lock's `canary-tolerance`).
+    #[arg(long)]
+    #[serde(skip)]
+    canary: bool,
+    /// With --lock, compare the model files' sizes but not their sha256 (for very large models).
+    #[arg(long)]
+    #[serde(skip)]
+    skip_model_hash: bool,
     /// A .gguf file or a Hugging Face model directory [default: SmolLM2-135M-Instruct from the cache].
     #[arg(long)]
     model: Option<PathBuf>,
@@ -74,7 +95,7 @@ pub struct ServeArgs {
     instance: Option<String>,
     /// Detokenize on the engine thread instead of alongside the next step (for comparison).
     #[arg(long)]
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     no_overlap: bool,
     /// Speculative decoding: none, or ngram (prompt lookup: drafts continue the latest earlier
     /// occurrence of the last tokens; no draft model) [default: none].
@@ -108,6 +129,10 @@ fn read_config(path: &Path) -> anyhow::Result<ServeArgs> {
 fn merge(flags: ServeArgs, file: ServeArgs) -> ServeArgs {
     ServeArgs {
         config: flags.config,
+        lock: flags.lock,
+        drift_policy: flags.drift_policy,
+        canary: flags.canary,
+        skip_model_hash: flags.skip_model_hash,
         model: flags.model.or(file.model),
         served_model_name: flags.served_model_name.or(file.served_model_name),
         host: flags.host.or(file.host),
@@ -236,18 +261,192 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         spec,
         notify_socket: std::env::var_os("NOTIFY_SOCKET").map(PathBuf::from),
         watchdog,
+        lock: None,
     })
 }
 
-pub fn run(flags: ServeArgs) -> anyhow::Result<()> {
-    let args = match &flags.config {
-        Some(path) => {
-            let file = read_config(path)?;
-            merge(flags.clone(), file)
-        }
-        None => flags,
+/// Settings from a TOML table (a sweep config, a lock's `[serve]`); `source` names it in errors.
+pub fn from_table(table: &toml::Table, source: &str) -> anyhow::Result<ServeArgs> {
+    ServeArgs::deserialize(toml::Value::Table(table.clone()))
+        .map_err(|e| anyhow::anyhow!("{source}: {e}"))
+}
+
+/// Every setting `args` resolves to, defaults included, as the table a lock freezes. The API key
+/// (a secret), the metrics `instance` label and the cache directory are the host's, not the
+/// configuration's, and stay out.
+pub fn effective_table(args: ServeArgs) -> anyhow::Result<toml::Table> {
+    let served_model_name = args.served_model_name.clone();
+    let mut args = args;
+    args.api_key = None;
+    args.api_key_file = None;
+    let o = resolve(args)?;
+    let all_cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let filled = ServeArgs {
+        model: Some(o.model_path.clone()),
+        served_model_name,
+        host: Some(o.host.clone()),
+        port: Some(o.port),
+        mode: Some(o.precision),
+        threads: Some(o.threads.unwrap_or(all_cores)),
+        kv_tokens: Some(o.kv_tokens),
+        block_size: Some(o.block_size),
+        max_running: Some(o.max_running),
+        max_step_tokens: Some(o.max_step_tokens),
+        max_model_len: o.max_model_len,
+        max_queue: Some(o.max_queue),
+        max_body_bytes: Some(o.max_body_bytes),
+        max_n: Some(o.max_n),
+        shutdown_timeout: Some(o.shutdown_timeout.as_secs()),
+        no_overlap: !o.overlap,
+        speculative_algorithm: Some(o.spec.method),
+        speculative_num_steps: Some(o.spec.num_steps),
+        speculative_policy: Some(if o.spec.adaptive {
+            SpecPolicy::Adaptive
+        } else {
+            SpecPolicy::Fixed
+        }),
+        speculative_ngram_min: Some(o.spec.ngram_min),
+        speculative_ngram_max: Some(o.spec.ngram_max),
+        ..Default::default()
     };
-    let opts = resolve(args)?;
+    toml::Table::try_from(&filled).context("rendering the settings")
+}
+
+/// The flags that may accompany --lock: secrets, the metrics label and the lock's own options.
+fn lock_conflicts(f: &ServeArgs) -> Vec<&'static str> {
+    let mut c = Vec::new();
+    let mut flag = |set: bool, name: &'static str| {
+        if set {
+            c.push(name);
+        }
+    };
+    flag(f.config.is_some(), "--config");
+    flag(f.model.is_some(), "--model");
+    flag(f.served_model_name.is_some(), "--served-model-name");
+    flag(f.host.is_some(), "--host");
+    flag(f.port.is_some(), "--port");
+    flag(f.mode.is_some(), "--mode");
+    flag(f.threads.is_some(), "--threads");
+    flag(f.kv_tokens.is_some(), "--kv-tokens");
+    flag(f.block_size.is_some(), "--block-size");
+    flag(f.max_running.is_some(), "--max-running");
+    flag(f.max_step_tokens.is_some(), "--max-step-tokens");
+    flag(f.max_model_len.is_some(), "--max-model-len");
+    flag(f.max_queue.is_some(), "--max-queue");
+    flag(f.max_body_bytes.is_some(), "--max-body-bytes");
+    flag(f.max_n.is_some(), "--max-n");
+    flag(f.shutdown_timeout.is_some(), "--shutdown-timeout");
+    flag(f.no_overlap, "--no-overlap");
+    flag(f.speculative_algorithm.is_some(), "--speculative-algorithm");
+    flag(f.speculative_num_steps.is_some(), "--speculative-num-steps");
+    flag(f.speculative_policy.is_some(), "--speculative-policy");
+    flag(f.speculative_ngram_min.is_some(), "--speculative-ngram-min");
+    flag(f.speculative_ngram_max.is_some(), "--speculative-ngram-max");
+    flag(f.cache_dir.is_some(), "--cache-dir");
+    c
+}
+
+/// `--lock`: the lock's settings plus the host's secrets, the environment exported, and the
+/// doctor's verdict (refusing to start on drift when the policy says so).
+fn locked(flags: ServeArgs, path: &Path) -> anyhow::Result<(ServeArgs, LockGuard)> {
+    let lock = kiln::lock::Lock::read(path).map_err(|e| anyhow::anyhow!(e))?;
+    let conflicts = lock_conflicts(&flags);
+    anyhow::ensure!(
+        conflicts.is_empty(),
+        "--lock {} runs exactly the locked settings; remove {} (or re-lock with them)",
+        path.display(),
+        conflicts.join(", ")
+    );
+    let shown = path.display().to_string();
+    let mut args = from_table(&lock.serve, &format!("{shown}: [serve]"))?;
+    args.api_key = flags.api_key.clone();
+    args.api_key_file = flags.api_key_file.clone();
+    args.instance = flags.instance.clone();
+    anyhow::ensure!(
+        args.model.as_deref() == Some(lock.model.path.as_path()),
+        "{shown}: serve.model is not model.path"
+    );
+    for (k, v) in &lock.env {
+        if std::env::var_os(k).is_none() {
+            // SAFETY: still single-threaded: no runtime or worker thread has started yet.
+            unsafe { std::env::set_var(k, v) };
+        }
+    }
+    let env: std::collections::BTreeMap<String, String> = std::env::vars().collect();
+    let probe = kiln::lock::SystemProbe::new(env);
+    let checks = kiln::doctor::run(
+        &probe,
+        &kiln::doctor::DoctorOptions {
+            lock: Some(&lock),
+            simd: &super::doctor::simd_name(),
+            hash_models: !flags.skip_model_hash,
+        },
+    );
+    let policy = flags.drift_policy.unwrap_or(lock.lock.drift_policy);
+    let bad: Vec<&kiln::doctor::Check> = checks
+        .iter()
+        .filter(|c| c.status == kiln::doctor::Status::Fail)
+        .collect();
+    if !bad.is_empty() {
+        let owned: Vec<kiln::doctor::Check> = bad.iter().map(|c| (*c).clone()).collect();
+        eprint!("{}", kiln::doctor::render(&owned));
+        anyhow::ensure!(
+            policy != DriftPolicy::Refuse,
+            "the machine drifted from {shown} and the drift policy is refuse ({} failed checks)",
+            bad.len()
+        );
+        eprintln!("kiln: serving despite the drift from {shown} (drift policy: warn)");
+    }
+    let canary = if flags.canary {
+        let expected = lock
+            .chosen_evidence()
+            .and_then(|e| e.levels.first().cloned());
+        let level = expected.with_context(|| {
+            format!("{shown}: --canary needs the chosen config's benchmark evidence")
+        })?;
+        let mut settings = lock.bench.clone();
+        settings.concurrency = vec![level.concurrency];
+        Some(Canary {
+            settings,
+            expected_tok_s: level.output_tok_s,
+            tolerance: lock.lock.canary_tolerance,
+        })
+    } else {
+        None
+    };
+    let guard = LockGuard {
+        lock_file: shown,
+        chosen: lock.lock.chosen.clone(),
+        checks,
+        refuse: policy == DriftPolicy::Refuse,
+        canary,
+    };
+    Ok((args, guard))
+}
+
+pub fn run(flags: ServeArgs) -> anyhow::Result<()> {
+    let (args, guard) = match (&flags.lock, &flags.config) {
+        (Some(path), _) => {
+            let path = path.clone();
+            let (a, g) = locked(flags, &path)?;
+            (a, Some(g))
+        }
+        (None, Some(path)) => {
+            let file = read_config(path)?;
+            (merge(flags.clone(), file), None)
+        }
+        (None, None) => {
+            anyhow::ensure!(
+                flags.drift_policy.is_none() && !flags.canary && !flags.skip_model_hash,
+                "--drift-policy, --canary and --skip-model-hash go with --lock"
+            );
+            (flags, None)
+        }
+    };
+    let mut opts = resolve(args)?;
+    opts.lock = guard;
     if let Some(t) = opts.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(t.max(1))

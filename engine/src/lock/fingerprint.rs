@@ -250,7 +250,7 @@ pub(crate) mod tests {
         }
         fn run(&self, program: &str, args: &[&str]) -> Option<String> {
             self.programs
-                .get(&format!("{program} {}", args.join(" ")).trim().to_string())
+                .get(format!("{program} {}", args.join(" ")).trim())
                 .cloned()
         }
         fn env(&self) -> &BTreeMap<String, String> {

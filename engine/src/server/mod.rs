@@ -7,6 +7,7 @@
 //! timeout), exit 0.
 
 pub mod auth;
+pub mod drift;
 pub mod error;
 pub mod generation;
 pub mod protocol;
@@ -86,7 +87,12 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         ready: Default::default(),
         draining: Default::default(),
+        canary_running: Default::default(),
+        drift: Default::default(),
     });
+    if let Some(guard) = &opts.lock {
+        drift::publish_checks(&state, &guard.checks);
+    }
     eprintln!(
         "kiln: listening on http://{local} (loading {})",
         opts.model_path.display()
@@ -108,6 +114,23 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
     tokio::select! {
         r = startup => {
             r?;
+            if let Some((guard, canary)) = opts
+                .lock
+                .clone()
+                .and_then(|g| g.canary.clone().map(|c| (g, c)))
+            {
+                notifier.status("running the canary benchmark");
+                let url = format!("http://127.0.0.1:{}", local.port());
+                let passed = drift::run_canary(&state, &canary, &url).await;
+                if !passed && guard.refuse {
+                    state.draining.store(true, Ordering::SeqCst);
+                    let _ = stop_tx.send(());
+                    anyhow::bail!(
+                        "the canary benchmark fell below the numbers in {} and the drift policy is refuse",
+                        guard.lock_file
+                    );
+                }
+            }
             notifier.ready();
             eprintln!("kiln: ready on http://{local}");
             shutdown_signal().await;

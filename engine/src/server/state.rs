@@ -41,6 +41,32 @@ pub struct ServeOptions {
     pub notify_socket: Option<PathBuf>,
     /// systemd's `$WATCHDOG_USEC`.
     pub watchdog: Option<Duration>,
+    /// Set when serving a lock (`--lock`).
+    pub lock: Option<LockGuard>,
+}
+
+/// What `kiln serve --lock` carries into the server: the start-up checks and the canary.
+#[derive(Clone, Debug)]
+pub struct LockGuard {
+    pub lock_file: String,
+    /// The locked config's name.
+    pub chosen: String,
+    /// The doctor's checks at start (failures are drift).
+    pub checks: Vec<crate::doctor::Check>,
+    /// Exit when the canary fails (drift policy `refuse`).
+    pub refuse: bool,
+    pub canary: Option<Canary>,
+}
+
+/// A short benchmark after warm-up, compared with the lock's numbers.
+#[derive(Clone, Debug)]
+pub struct Canary {
+    /// The lock's bench settings at one concurrency level.
+    pub settings: crate::bench::BenchSettings,
+    /// The locked output tok/s at that level.
+    pub expected_tok_s: f64,
+    /// Passing means at least `(1 - tolerance) * expected_tok_s`.
+    pub tolerance: f64,
 }
 
 pub struct Ready {
@@ -60,6 +86,10 @@ pub struct AppState {
     pub ready: OnceLock<Arc<Ready>>,
     /// Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
     pub draining: AtomicBool,
+    /// While the lock's canary benchmark runs, /ready stays 503.
+    pub canary_running: AtomicBool,
+    /// Checks (start-up and canary) that are not passing, shown by /ready.
+    pub drift: std::sync::Mutex<Vec<crate::doctor::Check>>,
 }
 
 pub type Shared = Arc<AppState>;

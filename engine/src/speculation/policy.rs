@@ -12,7 +12,17 @@
 //! which costs nothing extra for n-gram drafts: there is no draft state to catch up).
 
 /// Which drafter proposes tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, clap::ValueEnum)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum SpecMethod {
     /// No speculation.
@@ -23,7 +33,17 @@ pub enum SpecMethod {
 }
 
 /// How K is chosen each step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, clap::ValueEnum)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum SpecPolicy {
     /// From measured step costs and acceptance (K may be 0).

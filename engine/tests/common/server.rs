@@ -10,7 +10,7 @@ pub struct Server {
     pub port: u16,
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -22,11 +22,20 @@ impl Server {
     pub fn start(extra: &[&str]) -> Server {
         let port = free_port();
         let model = super::smollm2();
+        let model = model.to_string_lossy();
+        let port_text = port.to_string();
+        let mut args = vec!["--port", &port_text, "--model", &model];
+        args.extend_from_slice(&["--kv-tokens", "8192", "--threads", "1"]);
+        args.extend_from_slice(extra);
+        Server::start_exactly(port, &args)
+    }
+
+    /// `kiln serve ARGS`, nothing added, listening on `port` (given in ARGS or in the config or
+    /// lock they name); returns once /ready answers 200.
+    pub fn start_exactly(port: u16, args: &[&str]) -> Server {
         let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args(["serve", "--port", &port.to_string(), "--model"])
-            .arg(&model)
-            .args(["--kv-tokens", "8192", "--threads", "1"])
-            .args(extra)
+            .arg("serve")
+            .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

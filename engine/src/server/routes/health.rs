@@ -26,10 +26,24 @@ pub async fn ready(State(state): State<Shared>) -> Response {
     if state.draining.load(Ordering::SeqCst) {
         return ApiError::shutting_down().into_response();
     }
-    match state.ready.get() {
-        Some(_) => (StatusCode::OK, axum::Json(json!({"status": "ready"}))).into_response(),
-        None => ApiError::not_ready().into_response(),
+    if state.ready.get().is_none() || state.canary_running.load(Ordering::SeqCst) {
+        return ApiError::not_ready().into_response();
     }
+    let Some(guard) = &state.opts.lock else {
+        return (StatusCode::OK, axum::Json(json!({"status": "ready"}))).into_response();
+    };
+    let drift = state.drift.lock().map(|d| d.clone()).unwrap_or_default();
+    let drifted = drift
+        .iter()
+        .any(|c| c.status == crate::doctor::Status::Fail);
+    let body = json!({
+        "status": "ready",
+        "lock": guard.lock_file,
+        "config": guard.chosen,
+        "drifted": drifted,
+        "drift": drift,
+    });
+    (StatusCode::OK, axum::Json(body)).into_response()
 }
 
 pub async fn metrics(State(state): State<Shared>) -> Response {
