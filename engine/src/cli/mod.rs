@@ -8,6 +8,7 @@ mod generate;
 mod lock;
 mod serve;
 mod sweep;
+mod systemd_unit;
 
 use std::path::PathBuf;
 
@@ -36,6 +37,8 @@ enum Command {
     Doc(doc::DocArgs),
     /// Check the machine (GPUs, driver, CUDA, NCCL, memlock, P2P) and its drift from a lock.
     Doctor(doctor::DoctorArgs),
+    /// Write a systemd unit that runs kiln (a lock or a config) for hosts without NixOS.
+    SystemdUnit(systemd_unit::SystemdUnitArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -47,6 +50,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Lock(a) => lock::run(a),
         Command::Doc(a) => doc::run(a),
         Command::Doctor(a) => doctor::run(a),
+        Command::SystemdUnit(a) => systemd_unit::run(a),
     }
 }
 
