@@ -124,6 +124,7 @@ fn sweep_lock_doc_doctor_and_serve_lock() {
         "Upgrade checklist",
         "Rollback",
         "kiln serve --lock",
+        "kiln systemd-unit --lock",
     ] {
         assert!(doc.contains(section), "missing {section}");
     }

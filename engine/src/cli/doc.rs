@@ -12,6 +12,9 @@ pub struct DocArgs {
     /// Where to write the document.
     #[arg(long, short, default_value = "production.md")]
     output: PathBuf,
+    /// The service's instance name, as `kiln systemd-unit --name` (unit kiln-NAME.service).
+    #[arg(long, default_value = "default")]
+    instance: String,
     /// The upstream patch series to describe [default: the patches/ directory beside the lock's
     /// build, if present].
     #[arg(long)]
@@ -28,7 +31,7 @@ pub fn run(a: DocArgs) -> anyhow::Result<()> {
         Some(d) => kiln::doc::read_patches(d).map_err(|e| anyhow::anyhow!(e))?,
         None => Vec::new(),
     };
-    let text = kiln::doc::render(&lock, &a.lock.display().to_string(), &patches)
+    let text = kiln::doc::render(&lock, &a.lock.display().to_string(), &a.instance, &patches)
         .map_err(|e| anyhow::anyhow!(e))?;
     std::fs::write(&a.output, text).with_context(|| format!("writing {}", a.output.display()))?;
     eprintln!("kiln doc: wrote {}", a.output.display());

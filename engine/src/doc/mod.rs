@@ -146,7 +146,13 @@ fn evidence_runs(lock: &Lock) -> Vec<BenchResult> {
 }
 
 /// The document. `lock_file`: how the document refers to the lock.
-pub fn render(lock: &Lock, lock_file: &str, patches: &[PatchInfo]) -> Result<String, String> {
+/// `instance`: the service's name (`kiln-INSTANCE.service`).
+pub fn render(
+    lock: &Lock,
+    lock_file: &str,
+    instance: &str,
+    patches: &[PatchInfo],
+) -> Result<String, String> {
     let mut env = minijinja::Environment::new();
     env.set_trim_blocks(true);
     env.add_template("production.md", TEMPLATE)
@@ -190,14 +196,13 @@ pub fn render(lock: &Lock, lock_file: &str, patches: &[PatchInfo]) -> Result<Str
         "model_name": model_name,
         "chosen": lock.lock.chosen,
         "lock_file": lock_file,
-        "lock_basename": Path::new(lock_file).file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default(),
         "created": utc_date(lock.lock.created),
         "sweep": lock.lock.sweep,
         "rationale": lock.lock.rationale,
         "fp": lock.fingerprint,
         "settings": settings,
         "expanded": expanded_command(lock),
-        "instance": "default",
+        "instance": instance,
         "env": lock.env.iter().map(|(k, v)| json!({"key": k, "value": v})).collect::<Vec<_>>(),
         "patches": patches,
         "patch_keys": patch_keys,
