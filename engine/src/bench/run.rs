@@ -96,16 +96,20 @@ pub struct BenchResult {
 /// Called after each finished request with (done, total) of the level.
 pub type Progress = Arc<dyn Fn(usize, usize) + Send + Sync>;
 
-/// Runs every level in order against `url`. The model id is the server's first one unless given.
+/// Runs every level in order against `url`, cycling through `prompts` (loaded once by the caller
+/// from `settings.dataset`). The model id is the server's first one unless given.
 pub async fn run(
     label: &str,
     url: &str,
     model: Option<String>,
     api_key: Option<String>,
     settings: &BenchSettings,
+    prompts: &[Prompt],
     on_level: impl Fn(usize) -> Progress,
 ) -> Result<BenchResult, String> {
-    let prompts = super::prompts::load(&settings.dataset)?;
+    if prompts.is_empty() {
+        return Err("no prompts to send".into());
+    }
     if settings.concurrency.is_empty() || settings.concurrency.contains(&0) {
         return Err("concurrency levels must be given and each at least 1".into());
     }
@@ -141,9 +145,8 @@ pub async fn run(
             .collect();
         offset += n;
         let before = client::accept_length_counters(&http, &target.url).await;
-        let level = run_level(&http, &target, chosen, c, settings, on_level(c)).await;
+        let mut level = run_level(&http, &target, chosen, c, settings, on_level(c)).await;
         let after = client::accept_length_counters(&http, &target.url).await;
-        let mut level = level;
         if let (Some((s0, c0)), Some((s1, c1))) = (before, after) {
             level.accept_length = (c1 > c0).then(|| (s1 - s0) / (c1 - c0));
         }

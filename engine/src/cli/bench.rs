@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln::bench::client::Endpoint;
+use kiln::bench::prompts::Prompt;
 use kiln::bench::run::Progress;
 use kiln::bench::{BenchResult, BenchSettings, plot, report};
 
@@ -83,7 +84,8 @@ pub struct SettingsArgs {
 }
 
 impl SettingsArgs {
-    pub fn settings(&self) -> anyhow::Result<BenchSettings> {
+    /// The settings, and the prompts of `--dataset`.
+    pub fn settings(&self) -> anyhow::Result<(BenchSettings, Vec<Prompt>)> {
         anyhow::ensure!(
             !self.request_rate.is_nan() && self.request_rate > 0.0,
             "--request-rate must be positive (or inf)"
@@ -97,8 +99,9 @@ impl SettingsArgs {
             "--concurrency levels must each be at least 1"
         );
         anyhow::ensure!(self.max_tokens > 0, "--max-tokens must be at least 1");
-        kiln::bench::prompts::load(&self.dataset).map_err(|e| anyhow::anyhow!("--dataset: {e}"))?;
-        Ok(BenchSettings {
+        let prompts = kiln::bench::prompts::load(&self.dataset)
+            .map_err(|e| anyhow::anyhow!("--dataset: {e}"))?;
+        let settings = BenchSettings {
             concurrency: self.concurrency.clone(),
             num_prompts: self.num_prompts.unwrap_or(0),
             max_tokens: self.max_tokens,
@@ -108,7 +111,8 @@ impl SettingsArgs {
             endpoint: self.endpoint,
             request_timeout_s: self.request_timeout,
             seed: self.seed,
-        })
+        };
+        Ok((settings, prompts))
     }
 }
 
@@ -163,7 +167,7 @@ fn run_one(a: RunArgs) -> anyhow::Result<()> {
         .url
         .clone()
         .context("give --url URL (a running server), or a subcommand: compare, sweep")?;
-    let settings = a.settings.settings()?;
+    let (settings, prompts) = a.settings.settings()?;
     let label = a.label.clone().unwrap_or_else(|| url.clone());
     let rt = runtime()?;
     let result = rt
@@ -173,6 +177,7 @@ fn run_one(a: RunArgs) -> anyhow::Result<()> {
             a.model.clone(),
             a.api_key.clone(),
             &settings,
+            &prompts,
             progress_for(&label),
         ))
         .map_err(|e| anyhow::anyhow!(e))?;

@@ -385,13 +385,13 @@ fn locked(flags: ServeArgs, path: &Path) -> anyhow::Result<(ServeArgs, LockGuard
         },
     );
     let policy = flags.drift_policy.unwrap_or(lock.lock.drift_policy);
-    let bad: Vec<&kiln::doctor::Check> = checks
+    let bad: Vec<kiln::doctor::Check> = checks
         .iter()
         .filter(|c| c.status == kiln::doctor::Status::Fail)
+        .cloned()
         .collect();
     if !bad.is_empty() {
-        let owned: Vec<kiln::doctor::Check> = bad.iter().map(|c| (*c).clone()).collect();
-        eprint!("{}", kiln::doctor::render(&owned));
+        eprint!("{}", kiln::doctor::render(&bad));
         anyhow::ensure!(
             policy != DriftPolicy::Refuse,
             "the machine drifted from {shown} and the drift policy is refuse ({} failed checks)",

@@ -20,6 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use kiln::bench::prompts::Prompt;
 use kiln::bench::{BenchSettings, report};
 use kiln::lock::{Fingerprint, Sweep, SweepConfig, SystemProbe, relevant_env};
 use serde::Deserialize;
@@ -56,7 +57,7 @@ struct Named {
     effective: toml::Table,
 }
 
-fn read(path: &Path) -> anyhow::Result<(BenchSettings, Vec<Named>)> {
+fn read(path: &Path) -> anyhow::Result<(BenchSettings, Vec<Prompt>, Vec<Named>)> {
     let shown = path.display();
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {shown}"))?;
     let file: SweepFile = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{shown}: {e}"))?;
@@ -65,7 +66,7 @@ fn read(path: &Path) -> anyhow::Result<(BenchSettings, Vec<Named>)> {
         !bench.concurrency.is_empty() && !bench.concurrency.contains(&0),
         "{shown}: bench.concurrency levels must each be at least 1"
     );
-    kiln::bench::prompts::load(&bench.dataset)
+    let prompts = kiln::bench::prompts::load(&bench.dataset)
         .map_err(|e| anyhow::anyhow!("{shown}: bench.dataset: {e}"))?;
     anyhow::ensure!(!file.config.is_empty(), "{shown}: no [[config]] entries");
     let mut named = Vec::new();
@@ -91,7 +92,7 @@ fn read(path: &Path) -> anyhow::Result<(BenchSettings, Vec<Named>)> {
             effective_table(args).with_context(|| format!("{shown}: config `{name}`"))?;
         named.push(Named { name, effective });
     }
-    Ok((bench, named))
+    Ok((bench, prompts, named))
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -150,7 +151,7 @@ async fn wait_ready(
 }
 
 pub fn run(a: SweepArgs) -> anyhow::Result<()> {
-    let (bench, configs) = read(&a.file)?;
+    let (bench, prompts, configs) = read(&a.file)?;
     let exe = std::env::current_exe().context("finding the kiln binary")?;
     let stem = a.out.clone();
     if let Some(dir) = stem.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -196,9 +197,17 @@ pub fn run(a: SweepArgs) -> anyhow::Result<()> {
                 &log_path,
             )
             .await?;
-            kiln::bench::run::run(&c.name, &url, None, None, &bench, progress_for(&c.name))
-                .await
-                .map_err(|e| anyhow::anyhow!(e))
+            kiln::bench::run::run(
+                &c.name,
+                &url,
+                None,
+                None,
+                &bench,
+                &prompts,
+                progress_for(&c.name),
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!(e))
         });
         stop(&mut child);
         let result = outcome.with_context(|| format!("config `{}`", c.name))?;

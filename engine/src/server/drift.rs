@@ -31,15 +31,21 @@ pub fn publish_checks(state: &AppState, checks: &[Check]) {
 pub async fn run_canary(state: &AppState, canary: &Canary, url: &str) -> bool {
     state.canary_running.store(true, Ordering::SeqCst);
     let model = state.ready.get().map(|r| r.model_id.clone());
-    let result = crate::bench::run::run(
-        "canary",
-        url,
-        model,
-        state.opts.api_key.clone(),
-        &canary.settings,
-        |_| std::sync::Arc::new(|_, _| {}),
-    )
-    .await;
+    let result = match crate::bench::prompts::load(&canary.settings.dataset) {
+        Ok(prompts) => {
+            crate::bench::run::run(
+                "canary",
+                url,
+                model,
+                state.opts.api_key.clone(),
+                &canary.settings,
+                &prompts,
+                |_| std::sync::Arc::new(|_, _| {}),
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
     let floor = canary.expected_tok_s * (1.0 - canary.tolerance);
     let check = match result.as_ref().map(|r| r.levels.first()) {
         Ok(Some(level)) => {
