@@ -61,24 +61,10 @@ pub fn read_patches(dir: &Path) -> Result<Vec<PatchInfo>, String> {
     Ok(out)
 }
 
-/// `YYYY-MM-DD HH:MM UTC` from Unix seconds (the civil-from-days algorithm; no time zone data).
+/// RFC 3339 UTC (`2026-12-03T14:43:55Z`) from Unix seconds.
 pub fn utc_date(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60
-    )
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+    humantime::format_rfc3339_seconds(t).to_string()
 }
 
 /// What each serve setting does, for the settings table.
@@ -229,8 +215,8 @@ pub fn render(
 mod tests {
     #[test]
     fn dates_are_civil() {
-        assert_eq!(super::utc_date(0), "1970-01-01 00:00 UTC");
-        assert_eq!(super::utc_date(951_782_400), "2000-02-29 00:00 UTC");
-        assert_eq!(super::utc_date(1_796_309_035), "2026-12-03 14:43 UTC");
+        assert_eq!(super::utc_date(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::utc_date(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::utc_date(1_796_309_035), "2026-12-03T14:43:55Z");
     }
 }
