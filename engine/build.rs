@@ -1,6 +1,8 @@
 //! Build identity for `kiln lock`'s fingerprint: the git revision (`$KILN_GIT_REV` wins, for builds
 //! from a source tarball such as Nix's) and the upstream patch series the build applied
 //! (`patches/series` beside the workspace, one patch file name per line, with each file's sha256).
+//! Only builds that apply the series say so (`$KILN_PATCHES_APPLIED=1`, set by the flake); a plain
+//! cargo build compiles the crates unpatched and records an empty series.
 
 use std::path::Path;
 use std::process::Command;
@@ -31,8 +33,13 @@ fn main() {
 
     let series = Path::new("../patches/series");
     println!("cargo:rerun-if-changed=../patches");
+    println!("cargo:rerun-if-env-changed=KILN_PATCHES_APPLIED");
+    let applied = std::env::var("KILN_PATCHES_APPLIED").is_ok_and(|v| v == "1");
     let mut listed = Vec::new();
-    if let Ok(text) = std::fs::read_to_string(series) {
+    if let Some(text) = applied
+        .then(|| std::fs::read_to_string(series).ok())
+        .flatten()
+    {
         for name in text
             .lines()
             .map(str::trim)

@@ -3,6 +3,8 @@
 //! model code in `model::llama` stays backend-agnostic.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::error::Result;
 use crate::weights::TensorView;

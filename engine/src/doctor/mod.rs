@@ -62,6 +62,7 @@ pub fn run(probe: &dyn Probe, opts: &DoctorOptions) -> Vec<Check> {
     let mut out = Vec::new();
     out.push(devices(&now, locked_gpus));
     out.extend(gpu_stack(probe, &now));
+    out.push(cuda_backend(locked_gpus));
     out.push(memlock(&now));
     out.push(simd(&now));
     out.push(p2p(probe, &now));
@@ -170,6 +171,54 @@ fn gpu_stack(probe: &dyn Probe, now: &Fingerprint) -> Vec<Check> {
         )
     });
     out
+}
+
+/// Whether this binary reaches the CUDA driver and libraries itself (by dlopen, as serving will),
+/// beyond what `nvidia-smi` says.
+fn cuda_backend(locked_gpus: usize) -> Check {
+    #[cfg(feature = "cuda")]
+    {
+        match crate::backend::cuda::probe() {
+            Ok(r) if !r.devices.is_empty() && r.nvrtc && r.cublas => {
+                check("cuda-backend", Status::Pass, r.summary(), None)
+            }
+            Ok(r) => check(
+                "cuda-backend",
+                if locked_gpus > 0 {
+                    Status::Fail
+                } else {
+                    Status::Warn
+                },
+                r.summary(),
+                Some(
+                    "the flake's packages.cuda wraps kiln with NVRTC, cuBLAS and NCCL on LD_LIBRARY_PATH; elsewhere install them or put their lib folders on it",
+                ),
+            ),
+            Err(e) => check(
+                "cuda-backend",
+                if locked_gpus > 0 {
+                    Status::Fail
+                } else {
+                    Status::Skip
+                },
+                e,
+                None,
+            ),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    check(
+        "cuda-backend",
+        if locked_gpus > 0 {
+            Status::Fail
+        } else {
+            Status::Skip
+        },
+        "this build has no CUDA side",
+        Some(
+            "build with `cargo build --release --features cuda`, or use the flake's packages.cuda",
+        ),
+    )
 }
 
 fn memlock(now: &Fingerprint) -> Check {

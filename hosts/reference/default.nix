@@ -1,0 +1,118 @@
+# The reference host: 8x NVIDIA RTX PRO 6000 Blackwell over PCIe (no NVLink), serving one large model
+# with tensor parallelism across all eight GPUs.
+#
+# Bring-up: install NixOS with this configuration (without kiln.lock the instance runs the settings
+# below), run the sweep on the box (`kiln bench sweep`, see the README), `kiln lock create`, commit
+# the lock as hosts/reference/kiln.lock, `nixos-rebuild switch --flake .#reference`. From then on
+# the service runs exactly the lock and its start-up checks report drift from it.
+{
+  config,
+  lib,
+  pkgs,
+  kiln,
+  ...
+}:
+let
+  lockFile = ./kiln.lock;
+  locked = builtins.pathExists lockFile;
+in
+{
+  nixpkgs.hostPlatform = "x86_64-linux";
+  # The NVIDIA driver (and, in kiln's CUDA package, CUDA and NCCL) are unfree.
+  nixpkgs.config.allowUnfree = true;
+  networking.hostName = "kiln-reference";
+  system.stateVersion = "26.05";
+
+  boot.loader.systemd-boot.enable = true;
+  boot.loader.efi.canTouchEfiVariables = true;
+  fileSystems."/" = {
+    device = "/dev/disk/by-label/nixos";
+    fsType = "ext4";
+  };
+  fileSystems."/boot" = {
+    device = "/dev/disk/by-label/boot";
+    fsType = "vfat";
+  };
+  services.openssh.enable = true;
+
+  # The driver: the open kernel modules (required for Blackwell), persistence mode so the GPUs stay
+  # initialised between processes (kiln-main orders after nvidia-persistenced.service), and the
+  # graphics stack only for /run/opengl-driver/lib, where the service finds libcuda.
+  services.xserver.videoDrivers = [ "nvidia" ];
+  hardware.graphics.enable = true;
+  hardware.nvidia = {
+    open = true;
+    package = config.boot.kernelPackages.nvidiaPackages.stable;
+    nvidiaPersistenced = true;
+    modesetting.enable = false;
+  };
+
+  # Peer-to-peer between GPUs over PCIe. With the IOMMU translating DMA, P2P transfers either fail or
+  # crawl through the root complex: `iommu=pt` passes device DMA through. PCIe Access Control Services
+  # on the switches' downstream ports redirect P2P upstream too, and NCCL hangs or falls back to
+  # copies through host memory; kiln-disable-acs below clears ACS on every bridge at boot (NVIDIA's
+  # NCCL troubleshooting guide gives the same setpci loop). `kiln doctor` checks both.
+  boot.kernelParams = [
+    "iommu=pt"
+  ];
+  systemd.services.kiln-disable-acs = {
+    description = "Disable PCIe ACS on bridges for GPU peer-to-peer";
+    wantedBy = [ "multi-user.target" ];
+    before = [ "kiln-main.service" ];
+    requiredBy = [ "kiln-main.service" ];
+    serviceConfig = {
+      Type = "oneshot";
+      RemainAfterExit = true;
+    };
+    path = [ pkgs.pciutils ];
+    script = ''
+      for bdf in $(lspci -D | awk '{print $1}'); do
+        # Only devices with the ACS extended capability; clear its control register.
+        if setpci -s "$bdf" ECAP_ACS+0x6.w >/dev/null 2>&1; then
+          setpci -s "$bdf" ECAP_ACS+0x6.w=0000
+        fi
+      done
+    '';
+  };
+
+  services.kiln.package = kiln.packages.x86_64-linux.cuda;
+  services.kiln.instances.main = {
+    gpus = lib.range 0 7;
+    apiKeyFile = "/run/secrets/kiln-api-key";
+    openFirewall = true;
+    startTimeout = 1800;
+  }
+  // (
+    if locked then
+      {
+        inherit lockFile;
+        canary = true;
+        driftPolicy = "warn";
+      }
+    else
+      {
+        host = "0.0.0.0";
+        port = 30000;
+        model = "/var/lib/kiln/models/Kimi-K2-Instruct";
+        # PCIe-only RTX PRO 6000 boxes: P2P across root ports, more channels, the low-latency
+        # protocol for small decode all-reduces, no InfiniBand probe. Without tuning the reference's
+        # baseline fell from ~89 to ~63 tok/s. The sweep measures these; the lock freezes them.
+        nccl = {
+          p2pLevel = "SYS";
+          minNChannels = 8;
+          proto = "LL";
+          ibDisable = true;
+        };
+        settings = {
+          speculative-algorithm = "ngram";
+          speculative-num-steps = 3;
+          speculative-policy = "adaptive";
+          max-running = 128;
+        };
+      }
+  );
+
+  warnings =
+    lib.optional (!locked)
+      "hosts/reference: no kiln.lock yet, so kiln-main runs the unlocked settings; run the sweep on this box, then `kiln lock create` and commit the lock as hosts/reference/kiln.lock.";
+}

@@ -1,0 +1,559 @@
+# services.kiln: kiln inference-server instances as systemd services (kiln-<name>.service).
+#
+# Each instance runs `kiln serve` either from a lock (`lockFile`: the configuration `kiln bench sweep`
+# chose, with its model, settings and environment; the service runs exactly it and checks the
+# machine against it at start) or from `model` + `settings`. The unit follows the plain unit that
+# `kiln systemd-unit` writes for non-NixOS hosts: Type=notify (READY=1 after load and warm-up), the
+# watchdog, ordering after nvidia-persistenced, LimitMEMLOCK=infinity, a long start timeout, restart
+# with backoff, start on boot, DynamicUser and a hardening block in the style of nixpkgs' ollama module.
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+let
+  inherit (lib)
+    mkOption
+    mkEnableOption
+    types
+    literalExpression
+    ;
+  cfg = config.services.kiln;
+  enabled = lib.filterAttrs (_: i: i.enable) cfg.instances;
+
+  nvidiaDriver =
+    lib.elem "nvidia" (config.services.xserver.videoDrivers or [ ])
+    || (config.hardware.nvidia.datacenter.enable or false);
+  persistenced = nvidiaDriver && (config.hardware.nvidia.nvidiaPersistenced or false);
+
+  # One ExecStart= argument taken literally: JSON string quoting is systemd's double-quote syntax;
+  # `%` (specifiers) and `$` (variables) are doubled so neither touches a path.
+  escapeExecArg = a: builtins.replaceStrings [ "%" "$" ] [ "%%" "$$" ] (builtins.toJSON (toString a));
+
+  # kiln's config file is flat `key = value` TOML; JSON scalars and arrays of them are valid TOML.
+  tomlValue =
+    v:
+    if builtins.isBool v then
+      lib.boolToString v
+    else if builtins.isList v then
+      "[${lib.concatMapStringsSep ", " tomlValue v}]"
+    else
+      builtins.toJSON v;
+  renderSettings =
+    settings:
+    lib.concatStrings (
+      lib.mapAttrsToList (k: v: "${k} = ${tomlValue v}\n") (lib.filterAttrs (_: v: v != null) settings)
+    );
+
+  # A model given as a package: `passthru.modelFile` names the file inside it (packages.default-model),
+  # otherwise the package itself is the model (a .gguf file or a Hugging Face directory).
+  modelPath = m: if lib.isDerivation m && m ? modelFile then "${m}/${m.modelFile}" else "${m}";
+
+  isLoopback =
+    h:
+    lib.elem h [
+      "127.0.0.1"
+      "::1"
+      "localhost"
+    ];
+
+  ncclOptions = {
+    p2pLevel = mkOption {
+      type = types.nullOr (
+        types.enum [
+          "LOC"
+          "NVL"
+          "PIX"
+          "PXB"
+          "PHB"
+          "SYS"
+        ]
+      );
+      default = null;
+      example = "SYS";
+      description = "NCCL_P2P_LEVEL: how far apart two GPUs may be for NCCL to use peer-to-peer. PCIe-only boxes whose GPUs sit behind different root ports need PHB or SYS (with ACS off, see hosts/reference).";
+    };
+    minNChannels = mkOption {
+      type = types.nullOr types.ints.positive;
+      default = null;
+      example = 8;
+      description = "NCCL_MIN_NCHANNELS: more channels raise all-reduce bandwidth over PCIe.";
+    };
+    proto = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "LL";
+      description = "NCCL_PROTO: the protocols NCCL may use (LL is the low-latency one that small decode all-reduces want).";
+    };
+    algo = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "Ring";
+      description = "NCCL_ALGO.";
+    };
+    ibDisable = mkOption {
+      type = types.nullOr types.bool;
+      default = null;
+      example = true;
+      description = "NCCL_IB_DISABLE: a single box has no InfiniBand; disabling it skips the probe.";
+    };
+    socketIfname = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "lo";
+      description = "NCCL_SOCKET_IFNAME: the interface for NCCL's bootstrap.";
+    };
+    debug = mkOption {
+      type = types.nullOr (
+        types.enum [
+          "VERSION"
+          "WARN"
+          "INFO"
+          "TRACE"
+        ]
+      );
+      default = null;
+      description = "NCCL_DEBUG.";
+    };
+    extraEnv = mkOption {
+      type = types.attrsOf types.str;
+      default = { };
+      example = {
+        NCCL_GRAPH_FILE = "/etc/kiln/nccl-graph.xml";
+      };
+      description = "Further NCCL_* variables.";
+    };
+  };
+
+  ncclEnv =
+    n:
+    lib.filterAttrs (_: v: v != null) {
+      NCCL_P2P_LEVEL = n.p2pLevel;
+      NCCL_MIN_NCHANNELS = if n.minNChannels == null then null else toString n.minNChannels;
+      NCCL_PROTO = n.proto;
+      NCCL_ALGO = n.algo;
+      NCCL_IB_DISABLE =
+        if n.ibDisable == null then
+          null
+        else if n.ibDisable then
+          "1"
+        else
+          "0";
+      NCCL_SOCKET_IFNAME = n.socketIfname;
+      NCCL_DEBUG = n.debug;
+    }
+    // n.extraEnv;
+
+  instanceModule =
+    { name, config, ... }:
+    {
+      options = {
+        enable = mkEnableOption "this kiln instance" // {
+          default = true;
+        };
+        package = mkOption {
+          type = types.package;
+          default = cfg.package;
+          defaultText = literalExpression "config.services.kiln.package";
+          description = "The kiln package (the flake's `packages.default` for the CPU, `packages.cuda` for GPUs).";
+        };
+        lockFile = mkOption {
+          type = types.nullOr types.path;
+          default = null;
+          example = literalExpression "./kiln.lock";
+          description = ''
+            A lock from `kiln lock create`. The service runs exactly it (`kiln serve --lock`): its model,
+            settings and environment, after checking the machine against its fingerprint. `model` and
+            `settings` must then stay unset: a different configuration is a new sweep and a new lock.
+          '';
+        };
+        driftPolicy = mkOption {
+          type = types.nullOr (
+            types.enum [
+              "warn"
+              "refuse"
+            ]
+          );
+          default = null;
+          description = "With a lock: on drift from its fingerprint, serve anyway (warn) or fail the start (refuse). Default: the lock's own policy.";
+        };
+        canary = mkOption {
+          type = types.bool;
+          default = false;
+          description = "With a lock: after warm-up, run a short benchmark and compare it with the locked numbers before reporting ready.";
+        };
+        model = mkOption {
+          type = types.nullOr (types.either types.path types.package);
+          default = null;
+          example = literalExpression "kiln.packages.x86_64-linux.default-model";
+          description = "Without a lock: the model, a .gguf file, a Hugging Face directory, or a package holding one.";
+        };
+        settings = mkOption {
+          type = types.attrsOf (
+            types.nullOr (
+              types.oneOf [
+                types.bool
+                types.int
+                types.float
+                types.str
+                (types.listOf (types.either types.int types.str))
+              ]
+            )
+          );
+          default = { };
+          example = {
+            max-running = 32;
+            speculative-algorithm = "ngram";
+          };
+          description = "Without a lock: `kiln serve` settings (keys as its flag names, see `kiln serve --help`), rendered to the instance's config file.";
+        };
+        host = mkOption {
+          type = types.nullOr types.str;
+          default = null;
+          example = "0.0.0.0";
+          description = "Address to bind. Default: the lock's, else 127.0.0.1.";
+        };
+        port = mkOption {
+          type = types.nullOr types.port;
+          default = null;
+          description = "TCP port. Default: the lock's, else 8000.";
+        };
+        openFirewall = mkOption {
+          type = types.bool;
+          default = false;
+          description = "Open the port in the firewall (needs a non-loopback host).";
+        };
+        apiKeyFile = mkOption {
+          type = types.nullOr types.path;
+          default = null;
+          example = "/run/secrets/kiln-api-key";
+          description = "A file holding the API key clients must send as a Bearer token; handed to the service as a systemd credential, so it may be readable by root only and never enters the store.";
+        };
+        gpus = mkOption {
+          type = types.listOf types.ints.unsigned;
+          default = [ ];
+          example = [
+            0
+            1
+            2
+            3
+            4
+            5
+            6
+            7
+          ];
+          description = "GPU indices the instance uses (CUDA_VISIBLE_DEVICES). Non-empty: the unit gets the NVIDIA device nodes and orders after nvidia-persistenced.";
+        };
+        nccl = mkOption {
+          type = types.submodule { options = ncclOptions; };
+          default = { };
+          description = "NCCL tuning for tensor parallelism.";
+        };
+        environment = mkOption {
+          type = types.attrsOf types.str;
+          default = { };
+          description = "Further environment variables.";
+        };
+        extraArgs = mkOption {
+          type = types.listOf types.str;
+          default = [ ];
+          description = "Further `kiln serve` arguments.";
+        };
+        startTimeout = mkOption {
+          type = types.ints.positive;
+          default = 900;
+          description = "Seconds systemd waits for READY=1: loading and warming up a large model takes minutes.";
+        };
+        watchdogSec = mkOption {
+          type = types.ints.unsigned;
+          default = 60;
+          description = "Watchdog period (kiln pings at half of it while its engine loop turns); 0 disables it.";
+        };
+      };
+    };
+
+  # What an instance resolves to: the lock (read at evaluation time) supplies host, port, model and
+  # environment unless the instance sets them.
+  resolve =
+    name: i:
+    let
+      lock = if i.lockFile == null then null else builtins.fromTOML (builtins.readFile i.lockFile);
+      locked = key: if lock == null then null else lock.serve.${key} or null;
+      host =
+        if i.host != null then
+          i.host
+        else if locked "host" != null then
+          locked "host"
+        else
+          "127.0.0.1";
+      port =
+        if i.port != null then
+          i.port
+        else if locked "port" != null then
+          locked "port"
+        else
+          8000;
+      lockEnv = if lock == null then { } else lock.env or { };
+      configFile = pkgs.writeText "kiln-${name}.toml" (renderSettings i.settings);
+      args = [
+        "${i.package}/bin/kiln"
+        "serve"
+        "--instance"
+        name
+      ]
+      ++ (
+        if lock != null then
+          [
+            "--lock"
+            i.lockFile
+          ]
+          ++ lib.optionals (i.driftPolicy != null) [
+            "--drift-policy"
+            i.driftPolicy
+          ]
+          ++ lib.optional i.canary "--canary"
+        else
+          lib.optionals (i.settings != { }) [
+            "--config"
+            configFile
+          ]
+          ++ lib.optionals (i.model != null) [
+            "--model"
+            (modelPath i.model)
+          ]
+          ++ lib.optionals (i.host != null) [
+            "--host"
+            i.host
+          ]
+          ++ lib.optionals (i.port != null) [
+            "--port"
+            (toString i.port)
+          ]
+      )
+      ++ i.extraArgs;
+    in
+    {
+      inherit
+        lock
+        host
+        port
+        lockEnv
+        args
+        ;
+      gpu = i.gpus != [ ];
+      env =
+        lockEnv
+        // ncclEnv i.nccl
+        // lib.optionalAttrs (i.gpus != [ ]) {
+          CUDA_VISIBLE_DEVICES = lib.concatMapStringsSep "," toString i.gpus;
+        }
+        // {
+          KILN_CACHE_DIR = "/var/cache/kiln/${name}";
+        }
+        // i.environment;
+    };
+
+  resolved = lib.mapAttrs resolve enabled;
+
+  unit =
+    name: i:
+    let
+      r = resolved.${name};
+      ordering = [
+        "network-online.target"
+      ]
+      ++ lib.optional (r.gpu && persistenced) "nvidia-persistenced.service";
+      execStart =
+        lib.concatMapStringsSep " " escapeExecArg r.args
+        # Expanded by systemd at start: where LoadCredential= below puts the key.
+        + lib.optionalString (i.apiKeyFile != null) " --api-key-file \${CREDENTIALS_DIRECTORY}/api-key";
+      shutdownTimeout =
+        if r.lock != null then r.lock.serve.shutdown-timeout or 30 else i.settings.shutdown-timeout or 30;
+    in
+    {
+      description = "kiln inference server (${name})";
+      documentation = [ "man:systemd.service(5)" ];
+      after = ordering;
+      wants = ordering;
+      wantedBy = [ "multi-user.target" ];
+      # At most 5 failed starts in 30 minutes, then systemd gives up and the unit shows as failed.
+      startLimitIntervalSec = 1800;
+      startLimitBurst = 5;
+      environment = r.env;
+      serviceConfig = {
+        Type = "notify";
+        NotifyAccess = "main";
+        ExecStart = execStart;
+        TimeoutStartSec = i.startTimeout;
+        TimeoutStopSec = shutdownTimeout + 15;
+        WatchdogSec = if i.watchdogSec == 0 then "infinity" else i.watchdogSec;
+        Restart = "on-failure";
+        # Backoff: 10 s after the first failure, growing to 5 minutes over 5 restarts.
+        RestartSec = 10;
+        RestartSteps = 5;
+        RestartMaxDelaySec = 300;
+        LimitMEMLOCK = "infinity";
+        DynamicUser = true;
+        StateDirectory = "kiln/${name}";
+        CacheDirectory = "kiln/${name}";
+        UMask = "0077";
+        LoadCredential = lib.optional (i.apiKeyFile != null) "api-key:${i.apiKeyFile}";
+
+        # Hardening: the service reads its model and lock, and talks TCP.
+        ProtectSystem = "strict";
+        ProtectHome = true;
+        PrivateTmp = true;
+        PrivateUsers = true;
+        ProtectKernelTunables = true;
+        ProtectKernelModules = true;
+        ProtectKernelLogs = true;
+        ProtectControlGroups = true;
+        ProtectClock = true;
+        ProtectHostname = true;
+        ProtectProc = "invisible";
+        # The start-up checks read /proc/cpuinfo and /proc/sys/kernel/osrelease (and, with a GPU,
+        # /proc/driver/nvidia), which ProcSubset=pid would hide.
+        ProcSubset = "all";
+        RestrictNamespaces = true;
+        RestrictRealtime = true;
+        RestrictSUIDSGID = true;
+        LockPersonality = true;
+        NoNewPrivileges = true;
+        RemoveIPC = true;
+        KeyringMode = "private";
+        CapabilityBoundingSet = "";
+        AmbientCapabilities = "";
+        SystemCallArchitectures = "native";
+        SystemCallFilter = [
+          "@system-service"
+          "~@privileged @resources"
+        ];
+        SystemCallErrorNumber = "EPERM";
+        RestrictAddressFamilies = [
+          "AF_INET"
+          "AF_INET6"
+          "AF_UNIX"
+        ];
+        DevicePolicy = "closed";
+        # The GPU needs its device nodes (PrivateDevices would hide them), and the CUDA driver
+        # JIT-compiles kernels into executable memory, so MemoryDenyWriteExecute stays off with one.
+        PrivateDevices = !r.gpu;
+        MemoryDenyWriteExecute = !r.gpu;
+        DeviceAllow = lib.optionals r.gpu [
+          "char-nvidiactl rw"
+          "char-nvidia-caps rw"
+          "char-nvidia-frontend rw"
+          "char-nvidia-uvm rw"
+        ];
+      }
+      // lib.optionalAttrs (isLoopback r.host) {
+        IPAddressAllow = "localhost";
+        IPAddressDeny = "any";
+      };
+    };
+
+  instanceAssertions =
+    name: i:
+    let
+      r = resolved.${name};
+      at = "services.kiln.instances.${name}";
+      typedNccl = ncclEnv i.nccl;
+      ncclConflicts = lib.filterAttrs (k: v: r.lockEnv ? ${k} && r.lockEnv.${k} != v) typedNccl;
+    in
+    [
+      {
+        assertion = i.lockFile == null || (i.model == null && i.settings == { });
+        message = "${at}: lockFile fixes the model and every setting; unset model and settings, or make a new lock with `kiln bench sweep` and `kiln lock create`.";
+      }
+      {
+        assertion =
+          r.lock == null
+          || (
+            (i.host == null || i.host == (r.lock.serve.host or "127.0.0.1"))
+            && (i.port == null || i.port == (r.lock.serve.port or 8000))
+          );
+        message = "${at}: host/port differ from the lock's [serve] host and port, which the service binds; drop them or make a new lock.";
+      }
+      {
+        assertion = i.lockFile != null || (!i.canary && i.driftPolicy == null);
+        message = "${at}: canary and driftPolicy compare the machine with a lock; set lockFile.";
+      }
+      {
+        assertion = !(i.openFirewall && isLoopback r.host);
+        message = "${at}: openFirewall is set but the instance binds ${r.host}; set host = \"0.0.0.0\" (with apiKeyFile) or drop openFirewall.";
+      }
+      {
+        assertion = !r.gpu || nvidiaDriver;
+        message = "${at}: gpus = [ ${
+          lib.concatMapStringsSep " " toString i.gpus
+        } ] but the NVIDIA driver is not enabled; add \"nvidia\" to services.xserver.videoDrivers (see hosts/reference).";
+      }
+      {
+        assertion = ncclConflicts == { };
+        message = "${at}: the nccl options ${
+          lib.concatStringsSep ", " (lib.mapAttrsToList (k: v: "${k}=${v}") ncclConflicts)
+        } differ from the lock's environment (${
+          lib.concatStringsSep ", " (lib.mapAttrsToList (k: _: "${k}=${r.lockEnv.${k}}") ncclConflicts)
+        }); the lock was measured with its values: re-run the sweep with the new ones or drop the options.";
+      }
+      {
+        assertion = !(i.settings ? host || i.settings ? port || i.settings ? api-key || i.settings ? model);
+        message = "${at}: set host, port, model and the API key (apiKeyFile) through their own options, not settings.";
+      }
+    ];
+
+  portUsers = lib.foldlAttrs (
+    acc: name: _:
+    let
+      key = "${resolved.${name}.host}:${toString resolved.${name}.port}";
+    in
+    acc // { ${key} = (acc.${key} or [ ]) ++ [ name ]; }
+  ) { } enabled;
+in
+{
+  options.services.kiln = {
+    package = mkOption {
+      type = types.package;
+      description = "The default kiln package for instances (the flake sets its CPU build).";
+    };
+    instances = mkOption {
+      type = types.attrsOf (types.submodule instanceModule);
+      default = { };
+      example = literalExpression ''
+        {
+          main = {
+            package = kiln.packages.x86_64-linux.cuda;
+            lockFile = ./kiln.lock;
+            gpus = [ 0 1 2 3 4 5 6 7 ];
+            apiKeyFile = "/run/secrets/kiln-api-key";
+          };
+        }
+      '';
+      description = "kiln instances, each a `kiln-<name>.service`.";
+    };
+  };
+
+  config = lib.mkIf (enabled != { }) {
+    assertions =
+      lib.concatLists (lib.mapAttrsToList instanceAssertions enabled)
+      ++ lib.mapAttrsToList (addr: names: {
+        assertion = lib.length names == 1;
+        message = "services.kiln.instances: ${lib.concatStringsSep " and " names} both bind ${addr}.";
+      }) portUsers;
+    warnings = lib.concatLists (
+      lib.mapAttrsToList (
+        name: i:
+        lib.optional (!resolved.${name}.gpu && ncclEnv i.nccl != { })
+          "services.kiln.instances.${name}: nccl options are set but gpus is empty; NCCL only runs between GPUs."
+        ++
+          lib.optional (!(isLoopback resolved.${name}.host) && i.apiKeyFile == null)
+            "services.kiln.instances.${name}: binds ${resolved.${name}.host} without apiKeyFile: anyone who reaches the port can use the model."
+      ) enabled
+    );
+    systemd.services = lib.mapAttrs' (name: i: lib.nameValuePair "kiln-${name}" (unit name i)) enabled;
+    networking.firewall.allowedTCPPorts = lib.concatLists (
+      lib.mapAttrsToList (name: i: lib.optional i.openFirewall resolved.${name}.port) enabled
+    );
+  };
+}

@@ -1,0 +1,321 @@
+# Offline evaluation of the module against the real nixpkgs `lib` (no nixpkgs package set needed):
+# the NixOS options the module writes to are declared here as plain options, then each scenario is
+# evaluated and its unit, environment, firewall and assertions are compared with what they must be.
+#
+#   nix-instantiate --eval --strict --json nixos-module/tests/eval.nix --arg lib 'import <nixpkgs.lib>/lib'
+#
+# Result: a list of { name, ok, got } records; .ci/nix-checks.sh fails on any ok = false.
+{ lib }:
+let
+  fakePackage =
+    name: extra:
+    {
+      type = "derivation";
+      inherit name;
+      outPath = "/nix/store/00000000000000000000000000000000-${name}";
+    }
+    // extra;
+  kiln = fakePackage "kiln" { };
+  defaultModel = fakePackage "kiln-default-model" { modelFile = "SmolLM2-135M-Instruct.Q4_1.gguf"; };
+
+  # The NixOS options the module sets or reads, declared loosely so the module's own logic is what runs.
+  nixosStub =
+    { lib, ... }:
+    {
+      options = {
+        assertions = lib.mkOption {
+          type = lib.types.listOf lib.types.unspecified;
+          default = [ ];
+        };
+        warnings = lib.mkOption {
+          type = lib.types.listOf lib.types.str;
+          default = [ ];
+        };
+        systemd.services = lib.mkOption {
+          type = lib.types.attrsOf lib.types.unspecified;
+          default = { };
+        };
+        networking.firewall.allowedTCPPorts = lib.mkOption {
+          type = lib.types.listOf lib.types.port;
+          default = [ ];
+        };
+        services.xserver.videoDrivers = lib.mkOption {
+          type = lib.types.listOf lib.types.str;
+          default = [ ];
+        };
+        hardware.nvidia = lib.mkOption {
+          default = { };
+          type = lib.types.submodule {
+            freeformType = lib.types.lazyAttrsOf lib.types.anything;
+            options.datacenter.enable = lib.mkOption {
+              type = lib.types.bool;
+              default = false;
+            };
+            options.nvidiaPersistenced = lib.mkOption {
+              type = lib.types.bool;
+              default = false;
+            };
+          };
+        };
+      };
+      config = {
+        # Everything else a host sets (boot, fileSystems, ...) is accepted unchecked.
+        _module.freeformType = lib.types.lazyAttrsOf lib.types.anything;
+        _module.args.pkgs = {
+          writeText = name: text: builtins.toFile name text;
+          stdenv.hostPlatform.system = "x86_64-linux";
+        };
+        services.kiln.package = lib.mkDefault kiln;
+      };
+    };
+
+  # The flake as the hosts see it (`kiln` in specialArgs): packages only.
+  kilnFlake.packages.x86_64-linux = {
+    default = kiln;
+    cuda = fakePackage "kiln-cuda" { kilnCuda = true; };
+    default-model = defaultModel;
+  };
+  eval =
+    config:
+    (lib.evalModules {
+      specialArgs.kiln = kilnFlake;
+      modules = [
+        nixosStub
+        ../default.nix
+        config
+      ];
+    }).config;
+
+  # 4. The committed hosts.
+  reference = eval ../../hosts/reference;
+  referenceUnit = reference.systemd.services.kiln-main;
+  cpuHost = eval ../../hosts/cpu;
+  cpuHostUnit = cpuHost.systemd.services.kiln-default;
+
+  failed = c: map (a: a.message) (lib.filter (a: !a.assertion) c.assertions);
+  check = name: ok: got: { inherit name ok got; };
+  contains = needle: haystack: lib.hasInfix needle haystack;
+  anyContains = needle: lib.any (contains needle);
+
+  # 1. CPU instance with the default-model package and settings.
+  cpu = eval {
+    services.kiln.instances.dev = {
+      model = defaultModel;
+      settings.max-running = 16;
+      settings.speculative-algorithm = "ngram";
+    };
+  };
+  cpuUnit = cpu.systemd.services.kiln-dev;
+  cpuSc = cpuUnit.serviceConfig;
+  configFile = lib.head (lib.tail (lib.splitString "\"--config\" \"" cpuSc.ExecStart));
+  configPath = lib.head (lib.splitString "\"" configFile);
+
+  # 2. The reference shape: GPUs, a lock, an API key, an open port.
+  gpu = eval {
+    services.xserver.videoDrivers = [ "nvidia" ];
+    hardware.nvidia.nvidiaPersistenced = true;
+    services.kiln.instances.main = {
+      lockFile = ./gpu.lock;
+      gpus = lib.range 0 7;
+      nccl.ibDisable = true;
+      nccl.p2pLevel = "SYS";
+      apiKeyFile = "/run/secrets/kiln-api-key";
+      openFirewall = true;
+      canary = true;
+    };
+  };
+  gpuUnit = gpu.systemd.services.kiln-main;
+  gpuSc = gpuUnit.serviceConfig;
+
+  # 3. Contradictions, each with the assertion that must fire.
+  bad = {
+    lockAndSettings = eval {
+      services.kiln.instances.x = {
+        lockFile = ./gpu.lock;
+        settings.max-running = 4;
+      };
+    };
+    firewallOnLoopback = eval { services.kiln.instances.x.openFirewall = true; };
+    gpusWithoutDriver = eval { services.kiln.instances.x.gpus = [ 0 ]; };
+    ncclAgainstLock = eval {
+      services.xserver.videoDrivers = [ "nvidia" ];
+      services.kiln.instances.x = {
+        lockFile = ./gpu.lock;
+        gpus = [ 0 ];
+        nccl.p2pLevel = "PHB";
+      };
+    };
+    samePort = eval {
+      services.kiln.instances.a = { };
+      services.kiln.instances.b = { };
+    };
+    canaryWithoutLock = eval { services.kiln.instances.x.canary = true; };
+    hostInSettings = eval { services.kiln.instances.x.settings.port = 9000; };
+    portAgainstLock = eval {
+      services.kiln.instances.x = {
+        lockFile = ./gpu.lock;
+        port = 8000;
+      };
+    };
+  };
+  expectFailure =
+    name: needle:
+    let
+      got = failed bad.${name};
+    in
+    check "assertion ${name}" (anyContains needle got) got;
+in
+[
+  (check "cpu: no assertion fails" (failed cpu == [ ]) (failed cpu))
+  (check "cpu: Type=notify" (cpuSc.Type == "notify") cpuSc.Type)
+  (check "cpu: ExecStart runs the package"
+    (lib.hasPrefix "\"${kiln}/bin/kiln\" \"serve\" \"--instance\" \"dev\"" cpuSc.ExecStart)
+    cpuSc.ExecStart
+  )
+  (check "cpu: the model file inside the model package"
+    (contains "\"--model\" \"${defaultModel}/SmolLM2-135M-Instruct.Q4_1.gguf\"" cpuSc.ExecStart)
+    cpuSc.ExecStart
+  )
+  (check "cpu: settings rendered to the config file" (
+    builtins.readFile configPath == "max-running = 16\nspeculative-algorithm = \"ngram\"\n"
+  ) (builtins.readFile configPath))
+  (check "cpu: start on boot" (cpuUnit.wantedBy == [ "multi-user.target" ]) cpuUnit.wantedBy)
+  (check "cpu: after the network only" (cpuUnit.after == [ "network-online.target" ]) cpuUnit.after)
+  (check "cpu: LimitMEMLOCK=infinity" (cpuSc.LimitMEMLOCK == "infinity") cpuSc.LimitMEMLOCK)
+  (check "cpu: TimeoutStartSec 900" (cpuSc.TimeoutStartSec == 900) cpuSc.TimeoutStartSec)
+  (check "cpu: restart with backoff"
+    (
+      cpuSc.Restart == "on-failure"
+      && cpuSc.RestartSteps > 0
+      && cpuSc.RestartMaxDelaySec > cpuSc.RestartSec
+    )
+    [
+      cpuSc.Restart
+      cpuSc.RestartSec
+      cpuSc.RestartSteps
+      cpuSc.RestartMaxDelaySec
+    ]
+  )
+  (check "cpu: start limit" (cpuUnit.startLimitBurst == 5) cpuUnit.startLimitBurst)
+  (check "cpu: watchdog" (cpuSc.WatchdogSec == 60) cpuSc.WatchdogSec)
+  (check "cpu: DynamicUser with state and cache directories"
+    (cpuSc.DynamicUser && cpuSc.StateDirectory == "kiln/dev" && cpuSc.CacheDirectory == "kiln/dev")
+    [
+      cpuSc.StateDirectory
+      cpuSc.CacheDirectory
+    ]
+  )
+  (check "cpu: no devices, no W^X exception"
+    (cpuSc.PrivateDevices && cpuSc.MemoryDenyWriteExecute && cpuSc.DeviceAllow == [ ])
+    [
+      cpuSc.PrivateDevices
+      cpuSc.DeviceAllow
+    ]
+  )
+  (check "cpu: loopback only" (
+    cpuSc.IPAddressDeny == "any" && cpuSc.IPAddressAllow == "localhost"
+  ) cpuSc.IPAddressDeny)
+  (check "cpu: hardening"
+    (
+      cpuSc.ProtectSystem == "strict"
+      && cpuSc.DevicePolicy == "closed"
+      && cpuSc.CapabilityBoundingSet == ""
+      && cpuSc.NoNewPrivileges
+    )
+    [
+      cpuSc.ProtectSystem
+      cpuSc.DevicePolicy
+    ]
+  )
+  (check "cpu: cache directory for kiln" (
+    cpuUnit.environment.KILN_CACHE_DIR == "/var/cache/kiln/dev"
+  ) cpuUnit.environment)
+  (check "cpu: firewall closed" (
+    cpu.networking.firewall.allowedTCPPorts == [ ]
+  ) cpu.networking.firewall.allowedTCPPorts)
+
+  (check "gpu: no assertion fails" (failed gpu == [ ]) (failed gpu))
+  (check "gpu: no warning" (gpu.warnings == [ ]) gpu.warnings)
+  (check "gpu: ordered after nvidia-persistenced" (
+    lib.elem "nvidia-persistenced.service" gpuUnit.after
+    && lib.elem "nvidia-persistenced.service" gpuUnit.wants
+  ) gpuUnit.after)
+  (check "gpu: runs the lock with the canary"
+    (contains "\"--lock\" \"${toString ./gpu.lock}\" \"--canary\"" gpuSc.ExecStart)
+    gpuSc.ExecStart
+  )
+  (check "gpu: no settings flags beside the lock" (
+    !(contains "--config" gpuSc.ExecStart) && !(contains "--host" gpuSc.ExecStart)
+  ) gpuSc.ExecStart)
+  (check "gpu: API key as a credential"
+    (
+      gpuSc.LoadCredential == [ "api-key:/run/secrets/kiln-api-key" ]
+      && lib.hasSuffix " --api-key-file \${CREDENTIALS_DIRECTORY}/api-key" gpuSc.ExecStart
+    )
+    [
+      gpuSc.LoadCredential
+      gpuSc.ExecStart
+    ]
+  )
+  (check "gpu: device nodes" (
+    !gpuSc.PrivateDevices
+    && !gpuSc.MemoryDenyWriteExecute
+    && lib.length gpuSc.DeviceAllow == 4
+    && lib.elem "char-nvidia-uvm rw" gpuSc.DeviceAllow
+  ) gpuSc.DeviceAllow)
+  (check "gpu: CUDA_VISIBLE_DEVICES" (
+    gpuUnit.environment.CUDA_VISIBLE_DEVICES == "0,1,2,3,4,5,6,7"
+  ) gpuUnit.environment)
+  (check "gpu: the lock's environment plus typed NCCL options" (
+    gpuUnit.environment.NCCL_P2P_LEVEL == "SYS"
+    && gpuUnit.environment.NCCL_MIN_NCHANNELS == "8"
+    && gpuUnit.environment.NCCL_IB_DISABLE == "1"
+  ) gpuUnit.environment)
+  (check "gpu: the lock's port in the firewall" (
+    gpu.networking.firewall.allowedTCPPorts == [ 30000 ]
+  ) gpu.networking.firewall.allowedTCPPorts)
+  (check "gpu: not loopback-only" (!(gpuSc ? IPAddressDeny)) (gpuSc.IPAddressDeny or null))
+  (check "gpu: stop timeout from the lock's shutdown-timeout" (
+    gpuSc.TimeoutStopSec == 75
+  ) gpuSc.TimeoutStopSec)
+
+  (check "hosts/reference: no assertion fails" (failed reference == [ ]) (failed reference))
+  (check "hosts/reference: the CUDA package on 8 GPUs after persistenced"
+    (
+      lib.hasPrefix "\"${kilnFlake.packages.x86_64-linux.cuda}/bin/kiln\"" referenceUnit.serviceConfig.ExecStart
+      && referenceUnit.environment.CUDA_VISIBLE_DEVICES == "0,1,2,3,4,5,6,7"
+      && lib.elem "nvidia-persistenced.service" referenceUnit.after
+    )
+    [
+      referenceUnit.serviceConfig.ExecStart
+      referenceUnit.after
+    ]
+  )
+  (check "hosts/reference: NCCL tuning in the environment" (
+    referenceUnit.environment.NCCL_P2P_LEVEL == "SYS" && referenceUnit.environment.NCCL_PROTO == "LL"
+  ) referenceUnit.environment)
+  (check "hosts/reference: ACS cleared before kiln starts"
+    (lib.elem "kiln-main.service" reference.systemd.services.kiln-disable-acs.before)
+    reference.systemd.services.kiln-disable-acs.before
+  )
+  (check "hosts/reference: port 30000 open" (
+    reference.networking.firewall.allowedTCPPorts == [ 30000 ]
+  ) reference.networking.firewall.allowedTCPPorts)
+  (check "hosts/reference: warns until the lock is committed" (
+    lib.pathExists ../../hosts/reference/kiln.lock || anyContains "no kiln.lock yet" reference.warnings
+  ) reference.warnings)
+  (check "hosts/cpu: the default model, loopback" (
+    failed cpuHost == [ ]
+    && contains "${defaultModel}/SmolLM2-135M-Instruct.Q4_1.gguf" cpuHostUnit.serviceConfig.ExecStart
+    && cpuHostUnit.serviceConfig.IPAddressDeny == "any"
+  ) cpuHostUnit.serviceConfig.ExecStart)
+
+  (expectFailure "lockAndSettings" "lockFile fixes the model and every setting")
+  (expectFailure "firewallOnLoopback" "openFirewall is set but the instance binds 127.0.0.1")
+  (expectFailure "gpusWithoutDriver" "the NVIDIA driver is not enabled")
+  (expectFailure "ncclAgainstLock" "NCCL_P2P_LEVEL=PHB differ from the lock's environment (NCCL_P2P_LEVEL=SYS)")
+  (expectFailure "samePort" "a and b both bind 127.0.0.1:8000")
+  (expectFailure "canaryWithoutLock" "canary and driftPolicy compare the machine with a lock")
+  (expectFailure "hostInSettings" "not settings")
+  (expectFailure "portAgainstLock" "host/port differ from the lock's")
+]
