@@ -4,7 +4,7 @@
 //! CPU implementation), `model` (the Llama family over any backend), `kv_cache` (paged block
 //! bookkeeping), `tokenizer`, `sampling`, `generate` (a single-sequence driver), `batching` (the continuous-batching
 //! scheduler and engine thread), `metrics`, `server` (the OpenAI-compatible HTTP server), and the production tooling around it:
-//! `bench` (the concurrency sweep client), `lock` (the frozen configuration and the machine's
+//! `parallel` (tensor-parallel collectives: threads on the CPU), `bench` (the concurrency sweep client), `lock` (the frozen configuration and the machine's
 //! fingerprint) and `doctor` (preflight and drift checks).
 
 pub mod backend;
@@ -20,6 +20,7 @@ pub mod load;
 pub mod lock;
 pub mod metrics;
 pub mod model;
+pub mod parallel;
 pub mod sampling;
 pub mod server;
 pub mod speculation;

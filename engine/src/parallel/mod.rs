@@ -1,0 +1,44 @@
+//! Tensor parallelism's collective operations behind one trait, so the sharded model runs the same
+//! code over threads in one process (the CPU, and the tests) and over NCCL between GPUs.
+//!
+//! The failure rule: a rank that dies (panics, returns an error, is dropped) makes every other
+//! rank's next or pending collective return [`CommError::PeerFailed`] instead of waiting forever, so
+//! a failing rank takes the whole group down cleanly rather than hanging the server.
+
+mod threads;
+
+pub use threads::ThreadComm;
+
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CommError {
+    #[error("tensor-parallel rank {rank} failed; the group is down")]
+    PeerFailed { rank: usize },
+    #[error(
+        "a collective waited {waited:?} for the other ranks (rank(s) {missing:?} never arrived)"
+    )]
+    Timeout {
+        waited: Duration,
+        missing: Vec<usize>,
+    },
+    #[error("rank {rank} passed {got} values to a collective the others called with {expected}")]
+    LengthMismatch {
+        rank: usize,
+        expected: usize,
+        got: usize,
+    },
+}
+
+/// Collectives over one group of `world()` ranks. Every rank calls the same collectives in the
+/// same order with the same lengths (the sharded forward pass is identical code on every rank).
+pub trait Communicator: Send {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// Element-wise sum across ranks, in place; afterwards every rank holds the same values.
+    fn all_reduce_sum(&self, data: &mut [f32]) -> Result<(), CommError>;
+    /// Concatenates every rank's `local` in rank order into `out` (`out.len() == world * local.len()`).
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), CommError>;
+    /// Marks this rank failed: the others' collectives return `PeerFailed` from now on.
+    fn abort(&self);
+}
