@@ -33,6 +33,9 @@ pub enum Error {
     /// A caller asked for something impossible (bad sampling parameter, prompt longer than the context, ...).
     #[error("{0}")]
     InvalidRequest(String),
+    /// A tensor-parallel collective failed (a rank died or stalled): the group is down.
+    #[error("tensor parallelism: {0}")]
+    Parallel(#[from] crate::parallel::CommError),
     /// The paged KV cache has no free block left.
     #[error("KV cache is full: {needed} blocks needed, {free} free")]
     KvCacheFull { needed: usize, free: usize },

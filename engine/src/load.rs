@@ -39,14 +39,7 @@ pub fn load_model<B: Backend>(
         ));
     }
     // Weights first: a broken tensor is the more specific error than a tokenizer problem.
-    let (store, config) = if path.is_dir() {
-        let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
-        (WeightStore::Hf(HfDir::open(path)?), config)
-    } else {
-        let g = GgufFile::open(path)?;
-        let config = ModelConfig::from_gguf(&g)?;
-        (WeightStore::Gguf(g), config)
-    };
+    let (store, config) = open_weights(path)?;
     let model = Llama::load(&backend, config, &store, precision, progress)?;
     let tokenizer = match &store {
         WeightStore::Hf(_) => Tokenizer::from_hf_dir(path)?,
@@ -61,5 +54,17 @@ pub fn load_model<B: Backend>(
         model,
         tokenizer,
         name,
+    })
+}
+
+/// The weight store and model configuration of a `.gguf` file or a Hugging Face directory.
+pub fn open_weights(path: &Path) -> Result<(WeightStore, ModelConfig)> {
+    Ok(if path.is_dir() {
+        let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
+        (WeightStore::Hf(HfDir::open(path)?), config)
+    } else {
+        let g = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&g)?;
+        (WeightStore::Gguf(g), config)
     })
 }

@@ -133,4 +133,10 @@ pub trait Backend: Send + Sync {
     fn gather_rows(&self, x: &Self::Buffer, rows: &[usize]) -> Self::Buffer;
     /// Copies a buffer to host f32 values.
     fn to_host(&self, x: &Self::Buffer) -> Vec<f32>;
+    /// Sums `x` across the tensor-parallel group in place (CPU: threads; CUDA: NCCL).
+    fn all_reduce_sum(
+        &self,
+        x: &mut Self::Buffer,
+        comm: &dyn crate::parallel::Communicator,
+    ) -> Result<()>;
 }

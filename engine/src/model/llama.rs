@@ -8,6 +8,7 @@
 use super::config::{ModelConfig, RopeLayout};
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
+use crate::parallel::{Communicator, Shard};
 use crate::weights::{TensorView, WeightStore};
 
 struct Layer<B: Backend> {
@@ -33,6 +34,9 @@ pub struct Llama<B: Backend> {
     /// `None` when the LM head is tied to the embedding matrix.
     lm_head: Option<B::Matrix>,
     rope: RopeSpec,
+    /// Attention and KV heads this rank computes (all of them without tensor parallelism).
+    local_heads: usize,
+    local_kv_heads: usize,
 }
 
 /// One step's worth of tokens from one or more sequences.
@@ -153,8 +157,46 @@ impl<B: Backend> Llama<B> {
         config: ModelConfig,
         store: &WeightStore,
         precision: Precision,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        Self::load_shard(backend, config, store, precision, Shard::WHOLE, progress)
+    }
+
+    /// Loads one tensor-parallel rank's part of the weights (`parallel::Shard`): its query and KV
+    /// heads' rows of Q/K/V, the matching input columns of the output projection, its slice of the
+    /// MLP's intermediate columns; embedding, norms and LM head whole. Run it with
+    /// [`Llama::forward_sharded`] and the group's communicator.
+    pub fn load_shard(
+        backend: &B,
+        config: ModelConfig,
+        store: &WeightStore,
+        precision: Precision,
+        shard: Shard,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self> {
+        let plan = shard.plan(&config)?;
+        let whole = shard.world == 1;
+        let d = config.head_dim;
+        let rows = |v: TensorView, r: std::ops::Range<usize>| -> Result<TensorView> {
+            if whole {
+                Ok(v)
+            } else {
+                let cols = v.matrix_shape()?.1;
+                v.slice(r, 0..cols)
+            }
+        };
+        let cols = |v: TensorView, c: std::ops::Range<usize>| -> Result<TensorView> {
+            if whole {
+                Ok(v)
+            } else {
+                let n = v.matrix_shape()?.0;
+                v.slice(0..n, c)
+            }
+        };
+        let q_rows = plan.q_heads.start * d..plan.q_heads.end * d;
+        let kv_rows = plan.kv_heads.start * d..plan.kv_heads.end * d;
+        let inter = plan.intermediate.clone();
+        let local_width = |b: Vec<f32>, r: &std::ops::Range<usize>| b[r.clone()].to_vec();
         let naming = match store {
             WeightStore::Gguf(_) => Naming::Gguf,
             WeightStore::Hf(_) => Naming::Hf,
@@ -182,16 +224,22 @@ impl<B: Backend> Llama<B> {
             let n = |role: &str| layer_name(naming, i, role);
             let qkv = backend.matrix(
                 &[
-                    get(&n("q"), &[c.q_width(), h])?,
-                    get(&n("k"), &[c.kv_width(), h])?,
-                    get(&n("v"), &[c.kv_width(), h])?,
+                    rows(get(&n("q"), &[c.q_width(), h])?, q_rows.clone())?,
+                    rows(get(&n("k"), &[c.kv_width(), h])?, kv_rows.clone())?,
+                    rows(get(&n("v"), &[c.kv_width(), h])?, kv_rows.clone())?,
                 ],
                 precision,
             )?;
             let qkv_bias = if c.qkv_bias {
-                let mut b = get(&n("q_bias"), &[c.q_width()])?.to_f32();
-                b.extend(get(&n("k_bias"), &[c.kv_width()])?.to_f32());
-                b.extend(get(&n("v_bias"), &[c.kv_width()])?.to_f32());
+                let mut b = local_width(get(&n("q_bias"), &[c.q_width()])?.to_f32(), &q_rows);
+                b.extend(local_width(
+                    get(&n("k_bias"), &[c.kv_width()])?.to_f32(),
+                    &kv_rows,
+                ));
+                b.extend(local_width(
+                    get(&n("v_bias"), &[c.kv_width()])?.to_f32(),
+                    &kv_rows,
+                ));
                 Some(backend.vector_from_host(&b)?)
             } else {
                 None
@@ -210,16 +258,25 @@ impl<B: Backend> Llama<B> {
                 qkv_bias,
                 q_norm,
                 k_norm,
-                o: backend.matrix(&[get(&n("o"), &[h, c.q_width()])?], precision)?,
+                o: backend.matrix(
+                    &[cols(get(&n("o"), &[h, c.q_width()])?, q_rows.clone())?],
+                    precision,
+                )?,
                 ffn_norm: backend.vector(&get(&n("ffn_norm"), &[h])?)?,
                 gate_up: backend.matrix(
                     &[
-                        get(&n("gate"), &[c.intermediate_size, h])?,
-                        get(&n("up"), &[c.intermediate_size, h])?,
+                        rows(get(&n("gate"), &[c.intermediate_size, h])?, inter.clone())?,
+                        rows(get(&n("up"), &[c.intermediate_size, h])?, inter.clone())?,
                     ],
                     precision,
                 )?,
-                down: backend.matrix(&[get(&n("down"), &[h, c.intermediate_size])?], precision)?,
+                down: backend.matrix(
+                    &[cols(
+                        get(&n("down"), &[h, c.intermediate_size])?,
+                        inter.clone(),
+                    )?],
+                    precision,
+                )?,
             });
             progress(i + 1, total);
         }
@@ -238,7 +295,14 @@ impl<B: Backend> Llama<B> {
             final_norm,
             lm_head,
             rope,
+            local_heads: plan.q_heads.len(),
+            local_kv_heads: plan.kv_heads.len(),
         })
+    }
+
+    /// The KV width this rank stores per token (all KV heads without tensor parallelism).
+    pub fn local_kv_width(&self) -> usize {
+        self.local_kv_heads * self.config.head_dim
     }
 
     /// Runs one step. Returns `logit_rows.len()` rows of `vocab_size` logits.
@@ -249,7 +313,33 @@ impl<B: Backend> Llama<B> {
         batch: &ForwardBatch<'_>,
         ws: &mut Workspace<B>,
     ) -> Result<Vec<f32>> {
+        self.forward_inner(backend, kv, batch, ws, None)
+    }
+
+    /// One step of one tensor-parallel rank (a model from [`Llama::load_shard`]): every rank of
+    /// the group calls it with the same batch; the partial outputs of the attention and MLP output
+    /// projections are summed across ranks, so every rank returns the same logits.
+    pub fn forward_sharded(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStore,
+        batch: &ForwardBatch<'_>,
+        ws: &mut Workspace<B>,
+        comm: &dyn Communicator,
+    ) -> Result<Vec<f32>> {
+        self.forward_inner(backend, kv, batch, ws, Some(comm))
+    }
+
+    fn forward_inner(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStore,
+        batch: &ForwardBatch<'_>,
+        ws: &mut Workspace<B>,
+        comm: Option<&dyn Communicator>,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
+        let (n_heads, n_kv_heads) = (self.local_heads, self.local_kv_heads);
         let n = batch.tokens.len();
         if batch.positions.len() != n {
             return Err(Error::InvalidRequest(
@@ -258,7 +348,13 @@ impl<B: Backend> Llama<B> {
         }
         let _span = tracing::trace_span!("forward", tokens = n).entered();
         backend.embed(&self.embed, batch.tokens, &mut ws.x)?;
-        let q_width = c.q_width();
+        let q_width = n_heads * c.head_dim;
+        let reduce = |ws: &mut Workspace<B>| -> Result<()> {
+            match comm {
+                Some(comm) => backend.all_reduce_sum(&mut ws.proj, comm),
+                None => Ok(()),
+            }
+        };
         for (li, l) in self.layers.iter().enumerate() {
             backend.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, &mut ws.h);
             backend.matmul(&ws.h, &l.qkv, &mut ws.qkv);
@@ -266,21 +362,21 @@ impl<B: Backend> Llama<B> {
                 backend.add_bias(&mut ws.qkv, b, 0);
             }
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                backend.head_rms_norm(&mut ws.qkv, qn, c.rms_norm_eps, 0, c.n_heads, c.head_dim);
+                backend.head_rms_norm(&mut ws.qkv, qn, c.rms_norm_eps, 0, n_heads, c.head_dim);
                 backend.head_rms_norm(
                     &mut ws.qkv,
                     kn,
                     c.rms_norm_eps,
                     q_width,
-                    c.n_kv_heads,
+                    n_kv_heads,
                     c.head_dim,
                 );
             }
-            backend.rope(&mut ws.qkv, 0, c.n_heads, batch.positions, &self.rope);
+            backend.rope(&mut ws.qkv, 0, n_heads, batch.positions, &self.rope);
             backend.rope(
                 &mut ws.qkv,
                 q_width,
-                c.n_kv_heads,
+                n_kv_heads,
                 batch.positions,
                 &self.rope,
             );
@@ -289,17 +385,19 @@ impl<B: Backend> Llama<B> {
                 kv,
                 li,
                 batch.spans,
-                c.n_heads,
-                c.n_kv_heads,
+                n_heads,
+                n_kv_heads,
                 c.head_dim,
                 &mut ws.attn,
             );
             backend.matmul(&ws.attn, &l.o, &mut ws.proj);
+            reduce(ws)?;
             backend.add(&mut ws.x, &ws.proj);
             backend.rms_norm(&ws.x, &l.ffn_norm, c.rms_norm_eps, &mut ws.h);
             backend.matmul(&ws.h, &l.gate_up, &mut ws.gate_up);
             backend.silu_mul(&ws.gate_up, &mut ws.act);
             backend.matmul(&ws.act, &l.down, &mut ws.proj);
+            reduce(ws)?;
             backend.add(&mut ws.x, &ws.proj);
         }
         let last = backend.gather_rows(&ws.x, batch.logit_rows);

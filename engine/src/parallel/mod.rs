@@ -5,8 +5,11 @@
 //! rank's next or pending collective return [`CommError::PeerFailed`] instead of waiting forever, so
 //! a failing rank takes the whole group down cleanly rather than hanging the server.
 
+mod shard;
 mod threads;
+pub mod tp;
 
+pub use shard::{Shard, ShardPlan};
 pub use threads::ThreadComm;
 
 use std::time::Duration;

@@ -60,6 +60,71 @@ impl TensorView {
         Ok(())
     }
 
+    /// The sub-matrix `rows x cols` of a `[rows, cols]` tensor, for sharding one layer across
+    /// tensor-parallel ranks. Stored blocks are copied as they are when the column range falls on
+    /// block boundaries (always true for whole rows); otherwise the slice is dequantized to f32.
+    /// The copy lives in an anonymous mapping, so the result is a view like any other.
+    pub fn slice(
+        &self,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<TensorView> {
+        let (n_rows, n_cols) = self.matrix_shape()?;
+        if rows.end > n_rows || cols.end > n_cols || rows.is_empty() || cols.is_empty() {
+            return Err(Error::tensor(
+                &self.path,
+                &self.name,
+                format!("slice rows {rows:?} cols {cols:?} outside shape [{n_rows}, {n_cols}]"),
+            ));
+        }
+        let bad_row = || Error::tensor(&self.path, &self.name, "rows are not whole blocks");
+        let row_bytes = self.dtype.bytes_for(n_cols).ok_or_else(bad_row)?;
+        let block = self.dtype.block_len();
+        let aligned = cols.start.is_multiple_of(block) && cols.len().is_multiple_of(block);
+        let (dtype, bytes) = if aligned {
+            let start = self.dtype.bytes_for(cols.start).ok_or_else(bad_row)?;
+            let len = self.dtype.bytes_for(cols.len()).ok_or_else(bad_row)?;
+            let src = self.bytes();
+            let mut out = Vec::with_capacity(rows.len() * len);
+            for r in rows.clone() {
+                out.extend_from_slice(&src[r * row_bytes + start..r * row_bytes + start + len]);
+            }
+            (self.dtype, out)
+        } else {
+            let src = self.bytes();
+            let mut row = vec![0f32; n_cols];
+            let mut out = Vec::with_capacity(rows.len() * cols.len() * 4);
+            for r in rows.clone() {
+                dtype::dequantize(
+                    self.dtype,
+                    &src[r * row_bytes..(r + 1) * row_bytes],
+                    &mut row,
+                );
+                for v in &row[cols.clone()] {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            (DType::F32, out)
+        };
+        let mut map =
+            memmap2::MmapMut::map_anon(bytes.len()).map_err(|e| Error::io(&self.path, e))?;
+        map.copy_from_slice(&bytes);
+        let mmap = map.make_read_only().map_err(|e| Error::io(&self.path, e))?;
+        Ok(TensorView {
+            name: format!("{}[{rows:?}, {cols:?}]", self.name),
+            path: self.path.clone(),
+            dtype,
+            shape: if self.shape.len() == 1 {
+                vec![cols.len()]
+            } else {
+                vec![rows.len(), cols.len()]
+            },
+            n_bytes: bytes.len(),
+            mmap: Arc::new(mmap),
+            offset: 0,
+        })
+    }
+
     /// All values as f32 (dequantized).
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.n_elements()];

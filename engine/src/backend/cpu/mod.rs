@@ -289,6 +289,14 @@ impl Backend for CpuBackend {
     fn to_host(&self, x: &CpuBuffer) -> Vec<f32> {
         x.data.clone()
     }
+
+    fn all_reduce_sum(
+        &self,
+        x: &mut CpuBuffer,
+        comm: &dyn crate::parallel::Communicator,
+    ) -> Result<()> {
+        Ok(comm.all_reduce_sum(&mut x.data)?)
+    }
 }
 
 /// `out = x / sqrt(mean(x^2) + eps) * w`, as Hugging Face's LlamaRMSNorm computes it in f32.
