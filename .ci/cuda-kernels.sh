@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CUDA kernel through NVRTC and ptxas for Hopper (sm_90) and Blackwell (sm_120), without a GPU:
-# CUDA 13.0's NVRTC, headers and ptxas come from pinned PyPI wheels in a private venv; the check is
+# CUDA 13.0's NVRTC and ptxas come from pinned PyPI wheels in a private venv; the check is
 # the ignored test `every_kernel_compiles_for_hopper_and_blackwell`, which prints each kernel's
 # registers, shared memory and spills.
 set -euo pipefail
@@ -9,8 +9,8 @@ CACHE=${KILN_CI_CACHE:-$HOME/.cache/kiln-ci}
 VENV="$CACHE/cuda-venv"
 PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/pip" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install -q nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 \
-  nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88
+"$VENV/bin/pip" install -q nvidia-cuda-nvrtc==13.0.88 \
+  nvidia-cuda-nvcc==13.0.88
 CUDA_HOME_DIR=$("$VENV/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
 LD_LIBRARY_PATH="$CUDA_HOME_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KILN_CUDA_HOME="$CUDA_HOME_DIR" \
   cargo test --release --features cuda --lib every_kernel_compiles -- --include-ignored --nocapture

@@ -5,6 +5,8 @@ mod doc;
 mod doctor;
 mod fetch;
 mod generate;
+#[cfg(feature = "cuda")]
+mod gpu_check;
 mod lock;
 mod serve;
 mod sweep;
@@ -39,6 +41,9 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Write a systemd unit that runs kiln (a lock or a config) for hosts without NixOS.
     SystemdUnit(systemd_unit::SystemdUnitArgs),
+    /// Check every CUDA kernel against its CPU reference on GPU 0 (builds with --features cuda).
+    #[cfg(feature = "cuda")]
+    GpuCheck(gpu_check::GpuCheckArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -51,6 +56,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Doc(a) => doc::run(a),
         Command::Doctor(a) => doctor::run(a),
         Command::SystemdUnit(a) => systemd_unit::run(a),
+        #[cfg(feature = "cuda")]
+        Command::GpuCheck(a) => gpu_check::run(a),
     }
 }
 

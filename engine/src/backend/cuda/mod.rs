@@ -3,6 +3,7 @@
 //! `--features cuda` binary starts, and says what is missing, on a machine without a GPU.
 
 pub mod kernels;
+pub mod parity;
 mod probe;
 
 pub use probe::{CudaReport, probe};

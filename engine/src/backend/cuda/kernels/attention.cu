@@ -13,9 +13,9 @@
 // Copies this step's K and V rows of the fused qkv buffer into their cache slots
 // (slot = block * block_size + offset; the host's block tables decide it). Grid: rows.
 extern "C" __global__ void kiln_kv_write_bf16(
-    const __nv_bfloat16* __restrict__ qkv, int row_stride, int k_col, int v_col,
+    const bf16* __restrict__ qkv, int row_stride, int k_col, int v_col,
     const int* __restrict__ slots,
-    __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, int kv_width) {
+    bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int kv_width) {
     const long row = blockIdx.x;
     const long slot = slots[row];
     if (slot < 0) return;  // padding row
@@ -28,15 +28,15 @@ extern "C" __global__ void kiln_kv_write_bf16(
 // Grid: (tokens, n_heads); block: KILN_ATTN_WARPS * 32 threads. head_dim a multiple of 32, at most
 // KILN_MAX_HEAD_DIM. Online softmax per warp over its share of the keys, then the warps combine.
 extern "C" __global__ void kiln_paged_attention_bf16(
-    const __nv_bfloat16* __restrict__ qkv, int row_stride,  // queries at column 0
-    const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache,
+    const bf16* __restrict__ qkv, int row_stride,  // queries at column 0
+    const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ token_seq,     // [tokens] -> sequence index
     const int* __restrict__ token_pos,     // [tokens] absolute position
     const int* __restrict__ block_tables,  // [n_seqs, max_blocks]
     int max_blocks, int block_size, int n_heads, int n_kv_heads, int head_dim, float scale,
     const unsigned char* __restrict__ tree_mask,  // [tree_n, tree_n] or null
     const int* __restrict__ tree_base, const int* __restrict__ tree_node, int tree_n,
-    __nv_bfloat16* __restrict__ out) {     // [tokens, n_heads * head_dim]
+    bf16* __restrict__ out) {     // [tokens, n_heads * head_dim]
     const int t = blockIdx.x, h = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per_lane = head_dim / 32;
@@ -46,9 +46,9 @@ extern "C" __global__ void kiln_paged_attention_bf16(
     const int* table = block_tables + (long)seq * max_blocks;
 
     float q[KILN_MAX_HEAD_DIM / 32], acc[KILN_MAX_HEAD_DIM / 32];
-    const __nv_bfloat16* qh = qkv + (long)t * row_stride + h * head_dim;
+    const bf16* qh = qkv + (long)t * row_stride + h * head_dim;
     for (int i = 0; i < per_lane; i++) {
-        q[i] = __bfloat162float(qh[lane + 32 * i]) * scale;
+        q[i] = bf16_to_f32(qh[lane + 32 * i]) * scale;
         acc[i] = 0.0f;
     }
     float m = -KILN_INF, l = 0.0f;
@@ -59,15 +59,15 @@ extern "C" __global__ void kiln_paged_attention_bf16(
             if (!tree_mask[(long)node * tree_n + (p - base)]) continue;
         }
         const long slot = (long)table[p / block_size] * block_size + p % block_size;
-        const __nv_bfloat16* kp = k_cache + slot * kv_width + kv_head * head_dim;
+        const bf16* kp = k_cache + slot * kv_width + kv_head * head_dim;
         float s = 0.0f;
-        for (int i = 0; i < per_lane; i++) s += q[i] * __bfloat162float(kp[lane + 32 * i]);
+        for (int i = 0; i < per_lane; i++) s += q[i] * bf16_to_f32(kp[lane + 32 * i]);
         s = warp_sum(s);
         const float m_new = fmaxf(m, s);
         const float corr = __expf(m - m_new), e = __expf(s - m_new);
         l = l * corr + e;
-        const __nv_bfloat16* vp = v_cache + slot * kv_width + kv_head * head_dim;
-        for (int i = 0; i < per_lane; i++) acc[i] = acc[i] * corr + e * __bfloat162float(vp[lane + 32 * i]);
+        const bf16* vp = v_cache + slot * kv_width + kv_head * head_dim;
+        for (int i = 0; i < per_lane; i++) acc[i] = acc[i] * corr + e * bf16_to_f32(vp[lane + 32 * i]);
         m = m_new;
     }
 
@@ -81,13 +81,13 @@ extern "C" __global__ void kiln_paged_attention_bf16(
         for (int w = 0; w < KILN_ATTN_WARPS; w++) M = fmaxf(M, sm[w]);
         float L = 0.0f;
         for (int w = 0; w < KILN_ATTN_WARPS; w++) L += sm[w] == -KILN_INF ? 0.0f : sl[w] * __expf(sm[w] - M);
-        __nv_bfloat16* o = out + (long)t * n_heads * head_dim + h * head_dim;
+        bf16* o = out + (long)t * n_heads * head_dim + h * head_dim;
         for (int i = 0; i < per_lane; i++) {
             const int d = lane + 32 * i;
             float v = 0.0f;
             for (int w = 0; w < KILN_ATTN_WARPS; w++)
                 if (sm[w] != -KILN_INF) v += sacc[w][d] * __expf(sm[w] - M);
-            o[d] = __float2bfloat16(L > 0.0f ? v / L : 0.0f);
+            o[d] = f32_to_bf16(L > 0.0f ? v / L : 0.0f);
         }
     }
 }

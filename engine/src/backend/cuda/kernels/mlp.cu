@@ -1,27 +1,27 @@
 // The SiLU-gated MLP's activation: out[r, j] = silu(gate[r, j]) * up[r, j], where each row of
 // `gate_up` is [gate | up] (the two projections fused into one matmul).
 extern "C" __global__ void kiln_silu_mul_bf16(
-    const __nv_bfloat16* __restrict__ gate_up, // [rows, 2 * width]
-    __nv_bfloat16* __restrict__ out,           // [rows, width]
+    const bf16* __restrict__ gate_up, // [rows, 2 * width]
+    bf16* __restrict__ out,           // [rows, width]
     int rows, int width) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long)rows * width) return;
     const long r = idx / width, j = idx % width;
-    const float g = __bfloat162float(gate_up[r * 2 * width + j]);
-    const float u = __bfloat162float(gate_up[r * 2 * width + width + j]);
-    out[idx] = __float2bfloat16(g / (1.0f + __expf(-g)) * u);
+    const float g = bf16_to_f32(gate_up[r * 2 * width + j]);
+    const float u = bf16_to_f32(gate_up[r * 2 * width + width + j]);
+    out[idx] = f32_to_bf16(g / (1.0f + __expf(-g)) * u);
 }
 
 // Embedding gather: out[t] = table[ids[t]]. An id outside the vocabulary gives a zero row (the
 // host validates ids; the kernel must still never read out of bounds). Grid: tokens; block: any.
 extern "C" __global__ void kiln_embed_bf16(
-    const __nv_bfloat16* __restrict__ table, // [vocab, width]
+    const bf16* __restrict__ table, // [vocab, width]
     const u32* __restrict__ ids,             // [tokens]
-    __nv_bfloat16* __restrict__ out,         // [tokens, width]
+    bf16* __restrict__ out,         // [tokens, width]
     int vocab, int width) {
     const long t = blockIdx.x;
     const u32 id = ids[t];
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        out[t * width + i] = id < (u32)vocab ? table[(long)id * width + i] : __float2bfloat16(0.0f);
+        out[t * width + i] = id < (u32)vocab ? table[(long)id * width + i] : f32_to_bf16(0.0f);
     }
 }

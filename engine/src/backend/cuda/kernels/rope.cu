@@ -3,7 +3,7 @@
 // interleaved layout (GGUF llama): pairs (2i, 2i + 1). Only the first rope_dim dims rotate.
 // Grid: (rows, n_heads); block: rope_dim / 2 threads (one pair each).
 extern "C" __global__ void kiln_rope_bf16(
-    __nv_bfloat16* __restrict__ qkv,   // [rows, row_stride]
+    bf16* __restrict__ qkv,   // [rows, row_stride]
     const int* __restrict__ positions, // [rows]
     const float* __restrict__ inv_freq, // [rope_dim / 2]
     int row_stride, int col_offset, int head_dim, int rope_dim, int interleaved,
@@ -11,13 +11,13 @@ extern "C" __global__ void kiln_rope_bf16(
     const int row = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
     const int half = rope_dim / 2;
     if (i >= half) return;
-    __nv_bfloat16* h = qkv + (long)row * row_stride + col_offset + head * head_dim;
+    bf16* h = qkv + (long)row * row_stride + col_offset + head * head_dim;
     const float angle = ((float)positions[row] / position_scale) * inv_freq[i];
     float s, c;
     sincosf(angle, &s, &c);
     const int a = interleaved ? 2 * i : i;
     const int b = interleaved ? 2 * i + 1 : i + half;
-    const float x0 = __bfloat162float(h[a]), x1 = __bfloat162float(h[b]);
-    h[a] = __float2bfloat16(x0 * c - x1 * s);
-    h[b] = __float2bfloat16(x1 * c + x0 * s);
+    const float x0 = bf16_to_f32(h[a]), x1 = bf16_to_f32(h[b]);
+    h[a] = f32_to_bf16(x0 * c - x1 * s);
+    h[b] = f32_to_bf16(x1 * c + x0 * s);
 }

@@ -1,0 +1,50 @@
+//! `kiln gpu-check` (built with `--features cuda`): every CUDA kernel against its CPU reference on
+//! device 0, fresh random inputs each run; a table on stdout, JSON with `--json`, non-zero exit on
+//! any mismatch. `engine/benches/gpu-check.sh` runs it on a lent GPU machine.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+
+#[derive(clap::Args)]
+pub struct GpuCheckArgs {
+    /// Also write the results here as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Seed of the random inputs [default: from the clock, printed].
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    });
+    println!("seed {seed}");
+    let results = kiln::backend::cuda::parity::run(seed).map_err(|e| anyhow::anyhow!(e))?;
+    println!(
+        "{:<16} {:<34} {:>10} {:>9}  result",
+        "op", "case", "error", "tolerance"
+    );
+    for r in &results {
+        println!(
+            "{:<16} {:<34} {:>10.3e} {:>9.1e}  {}",
+            r.op,
+            r.case,
+            r.error,
+            r.tolerance,
+            if r.pass { "pass" } else { "FAIL" }
+        );
+    }
+    if let Some(p) = &a.json {
+        let body = serde_json::json!({ "seed": seed, "ops": results });
+        std::fs::write(p, serde_json::to_string_pretty(&body)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    let failed = results.iter().filter(|r| !r.pass).count();
+    anyhow::ensure!(failed == 0, "{failed} of {} cases failed", results.len());
+    Ok(())
+}
