@@ -5,6 +5,7 @@ use std::path::Path;
 use crate::backend::{Backend, Precision};
 use crate::error::{Error, Result};
 use crate::model::{Llama, ModelConfig};
+use crate::parallel::Shard;
 use crate::tokenizer::Tokenizer;
 use crate::weights::WeightStore;
 use crate::weights::gguf::GgufFile;
@@ -32,6 +33,18 @@ pub fn load_model<B: Backend>(
     precision: Precision,
     progress: impl FnMut(usize, usize),
 ) -> Result<LoadedModel<B>> {
+    load_model_shard(backend, path, precision, Shard::WHOLE, progress)
+}
+
+/// As [`load_model`], with only `shard`'s part of the weights (tensor parallelism's rank 0 in
+/// the server; the tokenizer and config are whole).
+pub fn load_model_shard<B: Backend>(
+    backend: B,
+    path: &Path,
+    precision: Precision,
+    shard: Shard,
+    progress: impl FnMut(usize, usize),
+) -> Result<LoadedModel<B>> {
     if !path.exists() {
         return Err(Error::io(
             path,
@@ -40,7 +53,7 @@ pub fn load_model<B: Backend>(
     }
     // Weights first: a broken tensor is the more specific error than a tokenizer problem.
     let (store, config) = open_weights(path)?;
-    let model = Llama::load(&backend, config, &store, precision, progress)?;
+    let model = Llama::load_shard(&backend, config, &store, precision, shard, progress)?;
     let tokenizer = match &store {
         WeightStore::Hf(_) => Tokenizer::from_hf_dir(path)?,
         WeightStore::Gguf(g) => Tokenizer::from_gguf(g)?,

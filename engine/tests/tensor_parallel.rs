@@ -146,3 +146,75 @@ fn a_split_that_does_not_fit_is_refused_by_name_and_nothing_hangs() {
     let e = greedy(Path::new("/nonexistent/model.gguf"), opts(2), &[1], 1).unwrap_err();
     assert!(e.to_string().contains("/nonexistent/model.gguf"), "{e}");
 }
+
+fn serve(tp: usize, threads: usize) -> common::server::Server {
+    let port = common::server::free_port();
+    let model = common::smollm2();
+    let (port_s, tp_s, threads_s) = (port.to_string(), tp.to_string(), threads.to_string());
+    let args = [
+        "--port",
+        &port_s,
+        "--model",
+        model.to_str().expect("utf-8 path"),
+        "--kv-tokens",
+        "4096",
+        "--threads",
+        &threads_s,
+        "--tensor-parallel-size",
+        &tp_s,
+    ];
+    common::server::Server::start_exactly(port, &args)
+}
+
+#[test]
+fn the_server_split_over_3_ranks_answers_as_the_whole_model_does() {
+    let whole = serve(1, 1);
+    let split = serve(3, 3);
+    let prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Water boils at a temperature of",
+    ];
+    // Concurrent requests too: continuous batching across ranks keeps every sequence apart.
+    let answers = |s: &common::server::Server| -> Vec<String> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    scope.spawn(move || {
+                        let body =
+                            serde_json::json!({"prompt": p, "max_tokens": 24, "temperature": 0});
+                        let (status, v) = s.post_json("/v1/completions", &body);
+                        assert_eq!(status, 200, "{v}");
+                        v["choices"][0]["text"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_string()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("client thread"))
+                .collect()
+        })
+    };
+    let (a, b) = (answers(&whole), answers(&split));
+    assert_eq!(a, b);
+    assert!(a.iter().all(|t| !t.is_empty()), "{a:?}");
+}
+
+#[test]
+fn the_server_refuses_a_split_the_model_cannot_take() {
+    let model = common::smollm2();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["serve", "--port", &common::server::free_port().to_string()])
+        .arg("--model")
+        .arg(&model)
+        .args(["--tensor-parallel-size", "2", "--threads", "2"])
+        .output()
+        .expect("run kiln serve");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("9 attention heads"), "{err}");
+}

@@ -21,6 +21,7 @@ use crate::load::LoadedModel;
 use crate::metrics::Metrics;
 use crate::metrics::{BatchLabels, PositionLabels};
 use crate::model::{ForwardBatch, Workspace};
+use crate::parallel::{Communicator, ThreadComm, TpPeers};
 use crate::sampling::{Sampled, Sampler};
 use crate::speculation::{self, Policy, SpecConfig};
 use crate::tokenizer::IncrementalDecoder;
@@ -84,11 +85,19 @@ struct Live {
     generated: usize,
 }
 
+/// Tensor parallelism in the server: the engine thread is rank 0 (its model is rank 0's shard),
+/// the other ranks are [`TpPeers`] threads fed each step's batch.
+pub struct TensorParallel {
+    pub comm: ThreadComm,
+    pub peers: TpPeers,
+}
+
 pub struct Engine<B: Backend> {
     model: Arc<LoadedModel<B>>,
     cfg: EngineConfig,
     kv: B::KvStore,
     ws: Workspace<B>,
+    tp: Option<TensorParallel>,
     sched: Scheduler,
     live: HashMap<SeqId, Live>,
     next_id: SeqId,
@@ -147,16 +156,51 @@ fn emit<B: Backend>(
     }
 }
 
+/// One model step: the whole model, or rank 0's shard while the peers run theirs.
+fn step_forward<B: Backend>(
+    m: &LoadedModel<B>,
+    kv: &mut B::KvStore,
+    ws: &mut Workspace<B>,
+    tp: Option<&TensorParallel>,
+    batch: &ForwardBatch<'_>,
+) -> crate::Result<Vec<f32>> {
+    let Some(tp) = tp else {
+        return m.model.forward(&m.backend, kv, batch, ws);
+    };
+    tp.peers.submit(batch)?;
+    let mine = m.model.forward_sharded(&m.backend, kv, batch, ws, &tp.comm);
+    if mine.is_err() {
+        tp.comm.abort();
+    }
+    let peers = tp.peers.collect();
+    match (mine, peers) {
+        (Ok(logits), Ok(())) => Ok(logits),
+        // A peer's own failure explains more than rank 0 seeing its peer vanish.
+        (Err(crate::Error::Parallel(_)), Err(e)) => Err(e),
+        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+    }
+}
+
 /// Starts the engine thread.
 pub fn spawn<B: Backend + 'static>(
     model: Arc<LoadedModel<B>>,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<EngineHandle> {
+    spawn_parallel(model, cfg, metrics, None)
+}
+
+/// Starts the engine thread as rank 0 of a tensor-parallel group (`model` is rank 0's shard).
+pub fn spawn_parallel<B: Backend + 'static>(
+    model: Arc<LoadedModel<B>>,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+    tp: Option<TensorParallel>,
+) -> std::io::Result<EngineHandle> {
     let (tx, rx) = std::sync::mpsc::channel();
     let status = Arc::new(EngineStatus::default());
     let started = Instant::now();
-    let mut engine = Engine::new(model, cfg, metrics, status.clone(), started);
+    let mut engine = Engine::new(model, cfg, metrics, status.clone(), started, tp);
     std::thread::Builder::new()
         .name("kiln-engine".into())
         .spawn(move || engine.run(rx))?;
@@ -174,12 +218,17 @@ impl<B: Backend> Engine<B> {
         metrics: Arc<Metrics>,
         status: Arc<EngineStatus>,
         started: Instant,
+        tp: Option<TensorParallel>,
     ) -> Self {
         let c = model.config();
         let n_blocks = cfg.kv_tokens.div_ceil(cfg.block_size);
-        let kv = model
-            .backend
-            .kv_store(c.n_layers, n_blocks, cfg.block_size, c.kv_width());
+        // This rank's KV heads only (all of them without tensor parallelism).
+        let kv = model.backend.kv_store(
+            c.n_layers,
+            n_blocks,
+            cfg.block_size,
+            model.model.local_kv_width(),
+        );
         let ws = Workspace::new(&model.backend);
         let sched = Scheduler::new(
             SchedulerConfig {
@@ -195,6 +244,7 @@ impl<B: Backend> Engine<B> {
             cfg,
             kv,
             ws,
+            tp,
             sched,
             live: HashMap::new(),
             next_id: 0,
@@ -235,10 +285,14 @@ impl<B: Backend> Engine<B> {
             };
             for _ in 0..2 {
                 let t = Instant::now();
-                let m = &self.model;
-                if m.model
-                    .forward(&m.backend, &mut self.kv, &batch, &mut self.ws)
-                    .is_err()
+                if step_forward(
+                    &self.model,
+                    &mut self.kv,
+                    &mut self.ws,
+                    self.tp.as_ref(),
+                    &batch,
+                )
+                .is_err()
                 {
                     return;
                 }
@@ -349,10 +403,13 @@ impl<B: Backend> Engine<B> {
             logit_rows: &logit_rows,
         };
         let t_forward = Instant::now();
-        let result =
-            self.model
-                .model
-                .forward(&self.model.backend, &mut self.kv, &batch, &mut self.ws);
+        let result = step_forward(
+            &self.model,
+            &mut self.kv,
+            &mut self.ws,
+            self.tp.as_ref(),
+            &batch,
+        );
         drop(spans);
         self.policy
             .record_step(tokens.len(), t_forward.elapsed().as_secs_f64());
@@ -366,6 +423,14 @@ impl<B: Backend> Engine<B> {
                     .collect();
                 for id in ids {
                     self.finish_with(id, Event::Failed(format!("the model step failed: {e}")));
+                }
+                if matches!(e, crate::Error::Parallel(_)) {
+                    // The group is down and cannot be rebuilt in place: end the process so the
+                    // service manager restarts the whole server (the failed requests got their
+                    // errors above; a moment lets them reach the clients).
+                    eprintln!("kiln: {e}; exiting so the service restarts with a whole group");
+                    std::thread::sleep(Duration::from_millis(300));
+                    std::process::exit(70);
                 }
                 return;
             }

@@ -87,6 +87,11 @@ pub struct ServeArgs {
     /// Largest `n` (choices per request) [default: 16].
     #[arg(long)]
     max_n: Option<usize>,
+    /// Tensor parallelism: split the model's heads and MLP across this many ranks (threads on the
+    /// CPU, each with its share of --threads); its attention heads, KV heads and intermediate size
+    /// must divide (or the KV heads be a divisor) [default: 1].
+    #[arg(long)]
+    tensor_parallel_size: Option<usize>,
     /// Seconds to let in-flight requests finish after SIGTERM [default: 30].
     #[arg(long)]
     shutdown_timeout: Option<u64>,
@@ -149,6 +154,7 @@ fn merge(flags: ServeArgs, file: ServeArgs) -> ServeArgs {
         max_queue: flags.max_queue.or(file.max_queue),
         max_body_bytes: flags.max_body_bytes.or(file.max_body_bytes),
         max_n: flags.max_n.or(file.max_n),
+        tensor_parallel_size: flags.tensor_parallel_size.or(file.tensor_parallel_size),
         shutdown_timeout: flags.shutdown_timeout.or(file.shutdown_timeout),
         instance: flags.instance.or(file.instance),
         no_overlap: flags.no_overlap || file.no_overlap,
@@ -256,6 +262,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         max_queue: positive("max-queue", a.max_queue, 256)?,
         max_body_bytes: positive("max-body-bytes", a.max_body_bytes, 4 << 20)?,
         max_n: positive("max-n", a.max_n, 16)?,
+        tensor_parallel: positive("tensor-parallel-size", a.tensor_parallel_size, 1)?,
         shutdown_timeout: Duration::from_secs(a.shutdown_timeout.unwrap_or(30)),
         overlap: !a.no_overlap,
         spec,
@@ -298,6 +305,7 @@ pub fn effective_table(args: ServeArgs) -> anyhow::Result<toml::Table> {
         max_queue: Some(o.max_queue),
         max_body_bytes: Some(o.max_body_bytes),
         max_n: Some(o.max_n),
+        tensor_parallel_size: Some(o.tensor_parallel),
         shutdown_timeout: Some(o.shutdown_timeout.as_secs()),
         no_overlap: !o.overlap,
         speculative_algorithm: Some(o.spec.method),
@@ -337,6 +345,7 @@ fn lock_conflicts(f: &ServeArgs) -> Vec<&'static str> {
     flag(f.max_queue.is_some(), "--max-queue");
     flag(f.max_body_bytes.is_some(), "--max-body-bytes");
     flag(f.max_n.is_some(), "--max-n");
+    flag(f.tensor_parallel_size.is_some(), "--tensor-parallel-size");
     flag(f.shutdown_timeout.is_some(), "--shutdown-timeout");
     flag(f.no_overlap, "--no-overlap");
     flag(f.speculative_algorithm.is_some(), "--speculative-algorithm");

@@ -84,6 +84,9 @@ fn why(key: &str) -> &'static str {
         "max-queue" => "requests in flight before new ones get 429",
         "max-body-bytes" => "largest request body",
         "max-n" => "largest `n` per request",
+        "tensor-parallel-size" => {
+            "ranks the model's heads and MLP are split across (one all-reduce per sub-layer)"
+        }
         "shutdown-timeout" => "seconds in-flight requests may finish after SIGTERM",
         "no-overlap" => "detokenize on the engine thread (off: overlapped with the next step)",
         "speculative-algorithm" => "speculative decoding method",

@@ -5,10 +5,12 @@
 //! rank's next or pending collective return [`CommError::PeerFailed`] instead of waiting forever, so
 //! a failing rank takes the whole group down cleanly rather than hanging the server.
 
+mod peers;
 mod shard;
 mod threads;
 pub mod tp;
 
+pub use peers::{PeerConfig, TpPeers};
 pub use shard::{Shard, ShardPlan};
 pub use threads::ThreadComm;
 

@@ -31,8 +31,14 @@ use axum::routing::{get, post};
 use tokio::net::TcpListener;
 
 use crate::backend::cpu::CpuBackend;
+use crate::batching::TensorParallel;
 use crate::batching::{self, EngineConfig, EngineRequest, Event, RequestParams};
-use crate::load::load_model;
+use crate::load::load_model_shard;
+use crate::parallel::{PeerConfig, Shard, ThreadComm, TpPeers};
+
+/// How long a tensor-parallel collective waits for a stalled rank before the group fails (a
+/// healthy step keeps every rank within milliseconds of the others).
+const TP_COLLECTIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 use crate::metrics::Metrics;
 use crate::sampling::SamplingParams;
 use error::ApiError;
@@ -157,18 +163,47 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
 async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> anyhow::Result<()> {
     let opts = state.opts.clone();
     let n2 = notifier.clone();
-    let model = tokio::task::spawn_blocking(move || {
-        let backend = match opts.threads {
-            Some(t) => CpuBackend::with_threads(t.max(1)),
-            None => CpuBackend::new(),
+    let (model, tp) = tokio::task::spawn_blocking(move || -> crate::Result<_> {
+        let world = opts.tensor_parallel;
+        let all_threads = opts.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
+        let per_rank = (all_threads / world).max(1);
+        let backend = CpuBackend::with_threads(per_rank);
+        let mut comms = ThreadComm::group(world, TP_COLLECTIVE_TIMEOUT);
+        let rank0 = comms.remove(0);
+        // Ranks 1.. load their shards on their own threads first; any failure stops the start.
+        let peers = if world > 1 {
+            n2.status(&format!("loading ranks 1..{world} of tensor parallelism"));
+            let cfg = PeerConfig {
+                model: opts.model_path.clone(),
+                precision: opts.precision,
+                threads_per_rank: per_rank,
+                n_blocks: opts.kv_tokens.div_ceil(opts.block_size),
+                block_size: opts.block_size,
+            };
+            Some(TpPeers::spawn(cfg, comms)?)
+        } else {
+            None
         };
         let mut last = 0;
-        load_model(backend, &opts.model_path, opts.precision, |done, total| {
-            if done != last {
-                last = done;
-                n2.status(&format!("loading layer {done}/{total}"));
-            }
-        })
+        let shard = Shard { rank: 0, world };
+        let model = load_model_shard(
+            backend,
+            &opts.model_path,
+            opts.precision,
+            shard,
+            |done, total| {
+                if done != last {
+                    last = done;
+                    n2.status(&format!("loading layer {done}/{total}"));
+                }
+            },
+        )?;
+        let tp = peers.map(|peers| TensorParallel { comm: rank0, peers });
+        Ok((model, tp))
     })
     .await
     .context("the loading thread failed")?
@@ -193,7 +228,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         overlap: opts.overlap,
         spec: opts.spec,
     };
-    let engine = batching::spawn(model.clone(), cfg, state.metrics.clone())
+    let engine = batching::spawn_parallel(model.clone(), cfg, state.metrics.clone(), tp)
         .context("starting the engine thread")?;
     notifier.status("warming up");
     warm_up(&engine, &model).await?;

@@ -33,6 +33,8 @@ pub struct ServeOptions {
     pub max_queue: usize,
     pub max_body_bytes: usize,
     pub max_n: usize,
+    /// Ranks of tensor parallelism (1: the whole model on the engine thread).
+    pub tensor_parallel: usize,
     pub shutdown_timeout: Duration,
     pub instance: String,
     pub overlap: bool,
