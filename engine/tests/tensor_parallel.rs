@@ -218,3 +218,49 @@ fn the_server_refuses_a_split_the_model_cannot_take() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("9 attention heads"), "{err}");
 }
+
+#[test]
+fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
+    use kiln::backend::SeqSpan;
+    use kiln::model::ForwardBatch;
+    use kiln::parallel::{PeerConfig, ThreadComm, TpPeers};
+
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3");
+    let cfg = |model: PathBuf| PeerConfig {
+        model,
+        precision: Precision::Exact,
+        threads_per_rank: 1,
+        n_blocks: 4,
+        block_size: 16,
+    };
+    // A peer that cannot load fails the start with the loading error.
+    let mut comms = ThreadComm::group(2, Duration::from_secs(10));
+    let e = TpPeers::spawn(cfg(PathBuf::from("/nonexistent/tiny")), comms.split_off(1))
+        .err()
+        .expect("a missing model must fail the start");
+    assert!(e.to_string().contains("/nonexistent/tiny"), "{e}");
+
+    // Rank 0 hands out a step and then never joins the collective (a stuck rank): the peer's
+    // all-reduce times out and its step reports that, well before any test timeout.
+    let mut comms = ThreadComm::group(2, Duration::from_millis(500));
+    let peers = TpPeers::spawn(cfg(dir), comms.split_off(1)).expect("peer loads");
+    let table = [0u32];
+    let spans = [SeqSpan {
+        first_token: 0,
+        n_tokens: 2,
+        start_pos: 0,
+        block_table: &table,
+    }];
+    let batch = ForwardBatch {
+        tokens: &[1, 2],
+        positions: &[0, 1],
+        spans: &spans,
+        logit_rows: &[1],
+    };
+    let t0 = std::time::Instant::now();
+    peers.submit(&batch).expect("submit");
+    let e = peers.collect().expect_err("the stalled group must fail");
+    assert!(e.to_string().contains("waited"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    drop(comms);
+}
