@@ -17,23 +17,10 @@ let
   locked = builtins.pathExists lockFile;
 in
 {
-  nixpkgs.hostPlatform = "x86_64-linux";
+  imports = [ ../common.nix ];
   # The NVIDIA driver (and, in kiln's CUDA package, CUDA and NCCL) are unfree.
   nixpkgs.config.allowUnfree = true;
   networking.hostName = "kiln-reference";
-  system.stateVersion = "26.05";
-
-  boot.loader.systemd-boot.enable = true;
-  boot.loader.efi.canTouchEfiVariables = true;
-  fileSystems."/" = {
-    device = "/dev/disk/by-label/nixos";
-    fsType = "ext4";
-  };
-  fileSystems."/boot" = {
-    device = "/dev/disk/by-label/boot";
-    fsType = "vfat";
-  };
-  services.openssh.enable = true;
 
   # The driver: the open kernel modules (required for Blackwell), persistence mode so the GPUs stay
   # initialised between processes (kiln-main orders after nvidia-persistenced.service), and the

@@ -21,7 +21,7 @@ use crate::load::LoadedModel;
 use crate::metrics::Metrics;
 use crate::metrics::{BatchLabels, PositionLabels};
 use crate::model::{ForwardBatch, Workspace};
-use crate::parallel::{Communicator, ThreadComm, TpPeers};
+use crate::parallel::TpGroup;
 use crate::sampling::{Sampled, Sampler};
 use crate::speculation::{self, Policy, SpecConfig};
 use crate::tokenizer::IncrementalDecoder;
@@ -85,19 +85,12 @@ struct Live {
     generated: usize,
 }
 
-/// Tensor parallelism in the server: the engine thread is rank 0 (its model is rank 0's shard),
-/// the other ranks are [`TpPeers`] threads fed each step's batch.
-pub struct TensorParallel {
-    pub comm: ThreadComm,
-    pub peers: TpPeers,
-}
-
 pub struct Engine<B: Backend> {
     model: Arc<LoadedModel<B>>,
     cfg: EngineConfig,
     kv: B::KvStore,
     ws: Workspace<B>,
-    tp: Option<TensorParallel>,
+    tp: Option<TpGroup>,
     sched: Scheduler,
     live: HashMap<SeqId, Live>,
     next_id: SeqId,
@@ -156,28 +149,20 @@ fn emit<B: Backend>(
     }
 }
 
-/// One model step: the whole model, or rank 0's shard while the peers run theirs.
+/// One model step: the whole model, or (tensor parallelism: the engine thread is rank 0 and its
+/// model rank 0's shard) rank 0's shard while the peers run theirs.
 fn step_forward<B: Backend>(
     m: &LoadedModel<B>,
     kv: &mut B::KvStore,
     ws: &mut Workspace<B>,
-    tp: Option<&TensorParallel>,
+    tp: Option<&TpGroup>,
     batch: &ForwardBatch<'_>,
 ) -> crate::Result<Vec<f32>> {
-    let Some(tp) = tp else {
-        return m.model.forward(&m.backend, kv, batch, ws);
-    };
-    tp.peers.submit(batch)?;
-    let mine = m.model.forward_sharded(&m.backend, kv, batch, ws, &tp.comm);
-    if mine.is_err() {
-        tp.comm.abort();
-    }
-    let peers = tp.peers.collect();
-    match (mine, peers) {
-        (Ok(logits), Ok(())) => Ok(logits),
-        // A peer's own failure explains more than rank 0 seeing its peer vanish.
-        (Err(crate::Error::Parallel(_)), Err(e)) => Err(e),
-        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+    match tp {
+        None => m.model.forward(&m.backend, kv, batch, ws),
+        Some(tp) => tp.step(batch, |comm| {
+            m.model.forward_sharded(&m.backend, kv, batch, ws, comm)
+        }),
     }
 }
 
@@ -195,7 +180,7 @@ pub fn spawn_parallel<B: Backend + 'static>(
     model: Arc<LoadedModel<B>>,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
-    tp: Option<TensorParallel>,
+    tp: Option<TpGroup>,
 ) -> std::io::Result<EngineHandle> {
     let (tx, rx) = std::sync::mpsc::channel();
     let status = Arc::new(EngineStatus::default());
@@ -218,7 +203,7 @@ impl<B: Backend> Engine<B> {
         metrics: Arc<Metrics>,
         status: Arc<EngineStatus>,
         started: Instant,
-        tp: Option<TensorParallel>,
+        tp: Option<TpGroup>,
     ) -> Self {
         let c = model.config();
         let n_blocks = cfg.kv_tokens.div_ceil(cfg.block_size);

@@ -176,6 +176,14 @@ fn gpu_stack(probe: &dyn Probe, now: &Fingerprint) -> Vec<Check> {
 /// Whether this binary reaches the CUDA driver and libraries itself (by dlopen, as serving will),
 /// beyond what `nvidia-smi` says.
 fn cuda_backend(locked_gpus: usize) -> Check {
+    // A lock made on GPUs needs the CUDA side; without one, what is missing is only noted.
+    let missing = |otherwise| {
+        if locked_gpus > 0 {
+            Status::Fail
+        } else {
+            otherwise
+        }
+    };
     #[cfg(feature = "cuda")]
     {
         match crate::backend::cuda::probe() {
@@ -184,36 +192,19 @@ fn cuda_backend(locked_gpus: usize) -> Check {
             }
             Ok(r) => check(
                 "cuda-backend",
-                if locked_gpus > 0 {
-                    Status::Fail
-                } else {
-                    Status::Warn
-                },
+                missing(Status::Warn),
                 r.summary(),
                 Some(
                     "the flake's packages.cuda wraps kiln with NVRTC, cuBLAS and NCCL on LD_LIBRARY_PATH; elsewhere install them or put their lib folders on it",
                 ),
             ),
-            Err(e) => check(
-                "cuda-backend",
-                if locked_gpus > 0 {
-                    Status::Fail
-                } else {
-                    Status::Skip
-                },
-                e,
-                None,
-            ),
+            Err(e) => check("cuda-backend", missing(Status::Skip), e, None),
         }
     }
     #[cfg(not(feature = "cuda"))]
     check(
         "cuda-backend",
-        if locked_gpus > 0 {
-            Status::Fail
-        } else {
-            Status::Skip
-        },
+        missing(Status::Skip),
         "this build has no CUDA side",
         Some(
             "build with `cargo build --release --features cuda`, or use the flake's packages.cuda",

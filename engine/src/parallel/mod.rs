@@ -10,7 +10,7 @@ mod shard;
 mod threads;
 pub mod tp;
 
-pub use peers::{PeerConfig, TpPeers};
+pub use peers::{PeerConfig, TpGroup, TpPeers};
 pub use shard::{Shard, ShardPlan};
 pub use threads::ThreadComm;
 

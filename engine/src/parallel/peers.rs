@@ -1,14 +1,16 @@
-//! Ranks 1..W of a tensor-parallel group inside one server: each a thread with its own backend,
-//! weight shard, KV store and workspace, fed every step's batch by rank 0 (the engine thread, which
-//! runs its own shard meanwhile). Block tables and positions are the engine's: all ranks address
-//! the same KV blocks, each holding its own heads' part of them.
+//! A tensor-parallel group in one process: rank 0 is the caller's thread (the server's engine
+//! thread, or `tp::greedy`), ranks 1..W are [`TpPeers`] threads, each with its own backend, weight
+//! shard, KV store and workspace, fed every step's batch by rank 0 while it runs its own shard.
+//! Block tables and positions are rank 0's: all ranks address the same KV blocks, each holding its
+//! own heads' part of them. [`TpGroup::step`] is the one place a step crosses the group.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
-use super::{Communicator, Shard, ThreadComm};
+use super::{CommError, Communicator, Shard, ThreadComm};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Precision, SeqSpan};
 use crate::error::{Error, Result};
@@ -180,14 +182,63 @@ impl TpPeers {
 
     /// Waits for every peer's step; a peer's own error wins over the echoes of it.
     pub fn collect(&self) -> Result<()> {
-        let results: Vec<Result<()>> = (0..self.jobs.len()).map(|_| self.next_report()).collect();
-        let is_echo =
-            |r: &Result<()>| matches!(r, Err(Error::Parallel(super::CommError::PeerFailed { .. })));
-        let mut errors = results.into_iter().filter(|r| r.is_err());
-        let errors: Vec<Result<()>> = errors.by_ref().collect();
-        match errors.iter().position(|r| !is_echo(r)) {
-            Some(i) => errors.into_iter().nth(i).unwrap_or(Ok(())),
-            None => errors.into_iter().next().unwrap_or(Ok(())),
+        let errors = (0..self.jobs.len()).filter_map(|_| self.next_report().err());
+        match cause(errors) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The error that explains a failed step: a rank's own failure, not another rank's `PeerFailed`
+/// report of it (the echo), unless echoes are all there is.
+fn cause(errors: impl IntoIterator<Item = Error>) -> Option<Error> {
+    let mut echo = None;
+    for e in errors {
+        if matches!(e, Error::Parallel(CommError::PeerFailed { .. })) {
+            echo.get_or_insert(e);
+        } else {
+            return Some(e);
+        }
+    }
+    echo
+}
+
+/// Rank 0's side of a group: its communicator and the peer threads.
+pub struct TpGroup {
+    comm: ThreadComm,
+    peers: TpPeers,
+}
+
+impl TpGroup {
+    /// A group of `world` ranks over `cfg`'s model; returns once ranks 1.. have loaded their shards
+    /// (rank 0 loads its own, `Shard { rank: 0, world }`). A collective waiting longer than
+    /// `timeout` for a stalled rank fails the group.
+    pub fn spawn(cfg: PeerConfig, world: usize, timeout: Duration) -> Result<TpGroup> {
+        let mut comms = ThreadComm::group(world, timeout);
+        let comm = comms.remove(0);
+        let peers = TpPeers::spawn(cfg, comms)?;
+        Ok(TpGroup { comm, peers })
+    }
+
+    /// One step across the group: the batch to the peers, `rank0` (rank 0's own shard, through
+    /// the communicator it is given) meanwhile, then every peer's outcome. Any rank's failure
+    /// fails the step with its cause, and the group stays down.
+    pub fn step(
+        &self,
+        batch: &ForwardBatch<'_>,
+        rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
+    ) -> Result<Vec<f32>> {
+        self.peers.submit(batch)?;
+        let mine = rank0(&self.comm);
+        if mine.is_err() {
+            self.comm.abort();
+        }
+        let peers = self.peers.collect();
+        match (mine, peers) {
+            (Ok(logits), Ok(())) => Ok(logits),
+            (mine, peers) => Err(cause(mine.err().into_iter().chain(peers.err()))
+                .unwrap_or(Error::Parallel(CommError::PeerFailed { rank: 0 }))),
         }
     }
 }

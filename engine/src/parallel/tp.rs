@@ -1,17 +1,12 @@
-//! Tensor-parallel decoding on the CPU: one thread per rank, each with its own backend, its shard
-//! of the weights and its part of the KV cache, joined by a [`ThreadComm`] group. This is the
-//! layout a GPU box runs with one rank per GPU over NCCL; on the CPU it proves the sharded model
-//! computes what the whole one does (the equivalence tests) and runs on any machine.
-//!
-//! Rank 0 picks each token and shares it with the others through the communicator, so every rank
-//! feeds the same token even if float noise ever made their logits differ.
+//! Tensor-parallel greedy decoding on the CPU, outside the server: rank 0 on the calling thread,
+//! ranks 1.. as a [`TpGroup`]'s peer threads, each with its own backend, shard and KV cache. The
+//! same group the server runs; here it proves the sharded model computes what the whole one does
+//! (the equivalence tests) and runs on any machine.
 
 use std::path::Path;
-use std::sync::Arc;
-use std::thread;
 use std::time::Duration;
 
-use super::{CommError, Communicator, Shard, ThreadComm};
+use super::{PeerConfig, Shard, TpGroup};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Precision, SeqSpan};
 use crate::error::{Error, Result};
@@ -36,40 +31,38 @@ pub struct TpOptions {
 
 const BLOCK_SIZE: usize = 16;
 
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-fn rank_main(
-    path: &Path,
-    opts: &TpOptions,
-    comm: &ThreadComm,
-    prompt: &[u32],
-    max_new: usize,
-) -> Result<GreedyRun> {
+/// Greedy-decodes `max_new` tokens after `prompt` with the model at `path` split over
+/// `opts.world` ranks. Any rank's failure (a load error, a panic, a stall) fails the whole run with
+/// that rank's error; no rank is left waiting.
+pub fn greedy(path: &Path, opts: TpOptions, prompt: &[u32], max_new: usize) -> Result<GreedyRun> {
+    let n_blocks = (prompt.len() + max_new).div_ceil(BLOCK_SIZE).max(1);
+    let group = if opts.world > 1 {
+        let cfg = PeerConfig {
+            model: path.to_path_buf(),
+            precision: opts.precision,
+            threads_per_rank: opts.threads_per_rank,
+            n_blocks,
+            block_size: BLOCK_SIZE,
+        };
+        Some(TpGroup::spawn(cfg, opts.world, opts.timeout)?)
+    } else {
+        None
+    };
     let (store, config) = crate::load::open_weights(path)?;
     let backend = CpuBackend::with_threads(opts.threads_per_rank);
     let shard = Shard {
-        rank: comm.rank(),
-        world: comm.world(),
+        rank: 0,
+        world: opts.world,
     };
     let model = Llama::load_shard(&backend, config, &store, opts.precision, shard, |_, _| {})?;
     let c = &model.config;
-    let total = prompt.len() + max_new;
-    if prompt.is_empty() || total > c.max_context {
+    if prompt.is_empty() || prompt.len() + max_new > c.max_context {
         return Err(Error::InvalidRequest(format!(
             "prompt of {} tokens + {max_new} new must be non-empty and fit the context of {}",
             prompt.len(),
             c.max_context
         )));
     }
-    let n_blocks = total.div_ceil(BLOCK_SIZE);
     let mut kv = backend.kv_store(c.n_layers, n_blocks, BLOCK_SIZE, model.local_kv_width());
     let table: Vec<u32> = (0..n_blocks as u32).collect();
     let mut ws = Workspace::new(&backend);
@@ -93,56 +86,17 @@ fn rank_main(
             spans: &spans,
             logit_rows: &[n - 1],
         };
-        let logits = model.forward_sharded(&backend, &mut kv, &batch, &mut ws, comm)?;
-        // Rank 0's choice, broadcast: every rank gathers each rank's candidate and takes rank 0's.
-        let mine = [argmax(&logits) as f32];
-        let mut all = vec![0f32; comm.world()];
-        comm.all_gather(&mine, &mut all)?;
-        let token = all[0] as u32;
+        let logits = match &group {
+            Some(g) => g.step(&batch, |comm| {
+                model.forward_sharded(&backend, &mut kv, &batch, &mut ws, comm)
+            })?,
+            None => model.forward(&backend, &mut kv, &batch, &mut ws)?,
+        };
+        let token = crate::sampling::argmax(&logits);
         start += n;
         step_tokens = vec![token];
         run.tokens.push(token);
         run.logits.push(logits);
     }
     Ok(run)
-}
-
-/// Greedy-decodes `max_new` tokens after `prompt` with the model at `path` split over
-/// `opts.world` ranks. Any rank's failure (a load error, a panic, a stall) fails the whole run with
-/// that rank's error; no rank is left waiting.
-pub fn greedy(path: &Path, opts: TpOptions, prompt: &[u32], max_new: usize) -> Result<GreedyRun> {
-    let opts = Arc::new(opts);
-    let prompt: Arc<[u32]> = prompt.into();
-    let handles: Vec<_> = ThreadComm::group(opts.world, opts.timeout)
-        .into_iter()
-        .map(|comm| {
-            let (path, opts, prompt) = (path.to_path_buf(), opts.clone(), prompt.clone());
-            thread::Builder::new()
-                .name(format!("kiln-tp-rank{}", comm.rank()))
-                .spawn(move || {
-                    let out = rank_main(&path, &opts, &comm, &prompt, max_new);
-                    if out.is_err() {
-                        comm.abort();
-                    }
-                    out
-                })
-        })
-        .collect();
-    let mut results = Vec::new();
-    for (rank, h) in handles.into_iter().enumerate() {
-        let joined = h
-            .map_err(|e| Error::io(path, e))?
-            .join()
-            .unwrap_or(Err(Error::Parallel(CommError::PeerFailed { rank })));
-        results.push(joined);
-    }
-    // Report the cause, not the ranks that merely saw a peer fail.
-    let is_echo = |e: &Error| matches!(e, Error::Parallel(CommError::PeerFailed { .. }));
-    if let Some(pos) = results
-        .iter()
-        .position(|r| r.as_ref().is_err_and(|e| !is_echo(e)))
-    {
-        return results.swap_remove(pos);
-    }
-    results.swap_remove(0)
 }

@@ -31,10 +31,9 @@ use axum::routing::{get, post};
 use tokio::net::TcpListener;
 
 use crate::backend::cpu::CpuBackend;
-use crate::batching::TensorParallel;
 use crate::batching::{self, EngineConfig, EngineRequest, Event, RequestParams};
 use crate::load::load_model_shard;
-use crate::parallel::{PeerConfig, Shard, ThreadComm, TpPeers};
+use crate::parallel::{PeerConfig, Shard, TpGroup};
 
 /// How long a tensor-parallel collective waits for a stalled rank before the group fails (a
 /// healthy step keeps every rank within milliseconds of the others).
@@ -172,10 +171,8 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         });
         let per_rank = (all_threads / world).max(1);
         let backend = CpuBackend::with_threads(per_rank);
-        let mut comms = ThreadComm::group(world, TP_COLLECTIVE_TIMEOUT);
-        let rank0 = comms.remove(0);
         // Ranks 1.. load their shards on their own threads first; any failure stops the start.
-        let peers = if world > 1 {
+        let tp = if world > 1 {
             n2.status(&format!("loading ranks 1..{world} of tensor parallelism"));
             let cfg = PeerConfig {
                 model: opts.model_path.clone(),
@@ -184,7 +181,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
                 n_blocks: opts.kv_tokens.div_ceil(opts.block_size),
                 block_size: opts.block_size,
             };
-            Some(TpPeers::spawn(cfg, comms)?)
+            Some(TpGroup::spawn(cfg, world, TP_COLLECTIVE_TIMEOUT)?)
         } else {
             None
         };
@@ -202,7 +199,6 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
                 }
             },
         )?;
-        let tp = peers.map(|peers| TensorParallel { comm: rank0, peers });
         Ok((model, tp))
     })
     .await

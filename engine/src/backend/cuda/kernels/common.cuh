@@ -20,37 +20,36 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
     return (bf16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+struct SumOp {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Reduces over the warp with `op` (butterfly: every lane gets the result).
+template <typename Op>
+__device__ __forceinline__ float warp_reduce(float v, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp()); }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-__device__ float block_sum(float v) {
+// Reduces over the block with `op` (blockDim.x a multiple of 32, at most 1024); every thread
+// gets the result. `identity` fills the slots of absent warps.
+template <typename Op>
+__device__ float block_reduce(float v, Op op, float identity) {
     __shared__ float partial[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce(v, op);
     __syncthreads();
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     const int n_warps = blockDim.x >> 5;
-    v = lane < n_warps ? partial[lane] : 0.0f;
-    return warp_sum(v);
+    v = lane < n_warps ? partial[lane] : identity;
+    return warp_reduce(v, op);
 }
 
-__device__ float block_max(float v) {
-    __shared__ float partial[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    const int n_warps = blockDim.x >> 5;
-    v = lane < n_warps ? partial[lane] : -KILN_INF;
-    return warp_max(v);
-}
+__device__ float block_sum(float v) { return block_reduce(v, SumOp(), 0.0f); }
+__device__ float block_max(float v) { return block_reduce(v, MaxOp(), -KILN_INF); }
