@@ -5,7 +5,9 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use common::tiny_with_tokenizer as with_tokenizer;
 
 use kiln::backend::cpu::CpuBackend;
 use kiln::backend::{Backend, Precision, SeqSpan};
@@ -13,30 +15,6 @@ use kiln::generate::{GenerateOptions, SingleSequence};
 use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::load::{LoadedModel, load_model};
 use kiln::model::{ForwardBatch, Workspace};
-use kiln::weights::gguf::GgufFile;
-
-fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/tiny")
-        .join(name)
-}
-
-/// A copy of the tiny model directory with a tokenizer.json (the tiny models have none; any byte-level
-/// tokenizer serves, the test feeds token ids).
-fn with_tokenizer(name: &str) -> PathBuf {
-    let dst = std::env::temp_dir().join(format!("kiln-tiny-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dst).expect("temp dir");
-    for e in std::fs::read_dir(fixture_dir(name))
-        .expect("fixture dir")
-        .flatten()
-    {
-        std::fs::copy(e.path(), dst.join(e.file_name())).expect("copy");
-    }
-    let g = GgufFile::open(common::smollm2()).expect("gguf");
-    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
-    std::fs::write(dst.join("tokenizer.json"), tok.to_json().expect("json")).expect("write");
-    dst
-}
 
 fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) -> Vec<Vec<f32>> {
     let c = m.config();

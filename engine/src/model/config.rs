@@ -145,7 +145,15 @@ impl ModelConfig {
 
     pub fn from_hf_config(path: &Path) -> Result<ModelConfig> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let c: HfConfig = serde_json::from_str(&text)
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::config(path, format!("invalid config.json: {e}")))?;
+        Self::from_hf_json(value, path)
+    }
+
+    /// A Hugging Face config already parsed (e.g. the `transformer_layer_config` inside an
+    /// EAGLE-3 draft's config); `path` names the file in errors.
+    pub fn from_hf_json(value: serde_json::Value, path: &Path) -> Result<ModelConfig> {
+        let c: HfConfig = serde_json::from_value(value)
             .map_err(|e| Error::config(path, format!("invalid config.json: {e}")))?;
         let arch_name = c
             .architectures

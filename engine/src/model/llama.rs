@@ -60,6 +60,12 @@ pub struct Workspace<B: Backend> {
     proj: B::Buffer,
     gate_up: B::Buffer,
     act: B::Buffer,
+    /// Target layers whose incoming residual stream the step keeps (EAGLE-3's auxiliary hidden
+    /// states; `n_layers` names the model's output after the final norm). Empty: none.
+    pub capture_layers: Vec<usize>,
+    /// After a step: one `[n_tokens, hidden]` buffer per entry of `capture_layers`, every token
+    /// of the batch.
+    pub captured: Vec<B::Buffer>,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -72,6 +78,8 @@ impl<B: Backend> Workspace<B> {
             proj: backend.buffer(0, 0),
             gate_up: backend.buffer(0, 0),
             act: backend.buffer(0, 0),
+            capture_layers: Vec::new(),
+            captured: Vec::new(),
         }
     }
 }
@@ -119,7 +127,7 @@ fn layer_name(n: Naming, i: usize, role: &str) -> String {
 }
 
 /// Inverse RoPE frequencies, computed in f32 the way transformers computes them.
-fn rope_inv_freq(cfg: &ModelConfig, store: &WeightStore) -> Result<Vec<f32>> {
+fn rope_inv_freq(cfg: &ModelConfig, store: Option<&WeightStore>) -> Result<Vec<f32>> {
     let d = cfg.rope_dim;
     let mut inv: Vec<f32> = (0..d / 2)
         .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / d as f32))
@@ -140,7 +148,7 @@ fn rope_inv_freq(cfg: &ModelConfig, store: &WeightStore) -> Result<Vec<f32>> {
         }
     }
     // GGUF carries Llama 3 scaling as per-frequency divisors.
-    if store.has("rope_freqs.weight") {
+    if let Some(store) = store.filter(|s| s.has("rope_freqs.weight")) {
         let t = store.get("rope_freqs.weight")?;
         t.expect_shape(&[d / 2])?;
         for (f, factor) in inv.iter_mut().zip(t.to_f32()) {
@@ -150,7 +158,24 @@ fn rope_inv_freq(cfg: &ModelConfig, store: &WeightStore) -> Result<Vec<f32>> {
     Ok(inv)
 }
 
+/// The RoPE tables of a model with this configuration (shared by every layer); `store` may hold
+/// GGUF's per-frequency divisors.
+pub fn rope_spec(c: &ModelConfig, store: Option<&WeightStore>) -> Result<RopeSpec> {
+    Ok(RopeSpec {
+        head_dim: c.head_dim,
+        rope_dim: c.rope_dim,
+        interleaved: c.rope_layout == RopeLayout::Interleaved,
+        inv_freq: rope_inv_freq(c, store)?,
+        position_scale: c.rope_linear_factor,
+    })
+}
+
 impl<B: Backend> Llama<B> {
+    /// The token embedding matrix (an EAGLE-3 draft without its own embeds uses the target's).
+    pub fn embedding(&self) -> &B::Matrix {
+        &self.embed
+    }
+
     /// Loads every weight through `backend`; `progress(done, total)` is called once per layer.
     pub fn load(
         backend: &B,
@@ -280,13 +305,7 @@ impl<B: Backend> Llama<B> {
             });
             progress(i + 1, total);
         }
-        let rope = RopeSpec {
-            head_dim: c.head_dim,
-            rope_dim: c.rope_dim,
-            interleaved: c.rope_layout == RopeLayout::Interleaved,
-            inv_freq: rope_inv_freq(c, store)?,
-            position_scale: c.rope_linear_factor,
-        };
+        let rope = rope_spec(c, Some(store))?;
         Ok(Llama {
             config,
             precision,
@@ -355,7 +374,23 @@ impl<B: Backend> Llama<B> {
                 None => Ok(()),
             }
         };
+        ws.captured = (0..ws.capture_layers.len())
+            .map(|_| backend.buffer(0, 0))
+            .collect();
+        let all_rows: Vec<usize> = if ws.capture_layers.is_empty() {
+            Vec::new()
+        } else {
+            (0..n).collect()
+        };
+        let capture = |ws: &mut Workspace<B>, layer: usize| {
+            for j in 0..ws.capture_layers.len() {
+                if ws.capture_layers[j] == layer {
+                    ws.captured[j] = backend.gather_rows(&ws.x, &all_rows);
+                }
+            }
+        };
         for (li, l) in self.layers.iter().enumerate() {
+            capture(ws, li);
             backend.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, &mut ws.h);
             backend.matmul(&ws.h, &l.qkv, &mut ws.qkv);
             if let Some(b) = &l.qkv_bias {
@@ -399,6 +434,13 @@ impl<B: Backend> Llama<B> {
             backend.matmul(&ws.act, &l.down, &mut ws.proj);
             reduce(ws)?;
             backend.add(&mut ws.x, &ws.proj);
+        }
+        // Layer id `n_layers` is the model's output after the final norm, as transformers'
+        // `hidden_states[n_layers]` (what EAGLE-3 trainers read) holds it.
+        for j in 0..ws.capture_layers.len() {
+            if ws.capture_layers[j] == self.layers.len() {
+                backend.rms_norm(&ws.x, &self.final_norm, c.rms_norm_eps, &mut ws.captured[j]);
+            }
         }
         let last = backend.gather_rows(&ws.x, batch.logit_rows);
         backend.rms_norm(&last, &self.final_norm, c.rms_norm_eps, &mut ws.h);

@@ -14,10 +14,19 @@ use crate::error::{Error, Result};
 
 struct Entry {
     file: usize,
-    dtype: DType,
+    dtype: Stored,
     shape: Vec<usize>,
     offset: usize,
     n_bytes: usize,
+}
+
+/// A tensor's element type as stored: a float kiln computes with, 64-bit integers (index
+/// tensors such as an EAGLE-3 draft's `d2t`), or something only named in errors.
+#[derive(Clone, Copy)]
+enum Stored {
+    Float(DType),
+    I64,
+    Other(safetensors::Dtype),
 }
 
 /// An opened HF model directory: every tensor of every shard indexed by name.
@@ -65,17 +74,14 @@ impl HfDir {
                 .map_err(|e| Error::format(&path, format!("invalid safetensors file: {e}")))?;
             let base = mmap.as_ptr() as usize;
             for (name, view) in st.tensors() {
+                // Unsupported types fail when the tensor is used, not here: a checkpoint may carry
+                // tensors kiln never reads (an EAGLE-3 draft's boolean `t2d`).
                 let dtype = match view.dtype() {
-                    safetensors::Dtype::F32 => DType::F32,
-                    safetensors::Dtype::F16 => DType::F16,
-                    safetensors::Dtype::BF16 => DType::BF16,
-                    other => {
-                        return Err(Error::tensor(
-                            &path,
-                            &name,
-                            format!("dtype {other:?} is not supported"),
-                        ));
-                    }
+                    safetensors::Dtype::F32 => Stored::Float(DType::F32),
+                    safetensors::Dtype::F16 => Stored::Float(DType::F16),
+                    safetensors::Dtype::BF16 => Stored::Float(DType::BF16),
+                    safetensors::Dtype::I64 => Stored::I64,
+                    other => Stored::Other(other),
                 };
                 let data = view.data();
                 tensors.insert(
@@ -108,14 +114,41 @@ impl HfDir {
             .get(name)
             .ok_or_else(|| Error::tensor(&self.dir, name, "missing from the safetensors files"))?;
         let (path, mmap) = &self.files[e.file];
+        let dtype = match e.dtype {
+            Stored::Float(d) => d,
+            Stored::I64 => return Err(Error::tensor(path, name, "is an integer tensor")),
+            Stored::Other(d) => {
+                return Err(Error::tensor(
+                    path,
+                    name,
+                    format!("dtype {d:?} is not supported"),
+                ));
+            }
+        };
         Ok(TensorView {
             name: name.to_string(),
             path: path.clone(),
-            dtype: e.dtype,
+            dtype,
             shape: e.shape.clone(),
             mmap: mmap.clone(),
             offset: e.offset,
             n_bytes: e.n_bytes,
         })
+    }
+
+    /// A 64-bit integer tensor's values (little-endian, as safetensors stores them).
+    pub fn ints(&self, name: &str) -> Result<Vec<i64>> {
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::tensor(&self.dir, name, "missing from the safetensors files"))?;
+        let (path, mmap) = &self.files[e.file];
+        if !matches!(e.dtype, Stored::I64) {
+            return Err(Error::tensor(path, name, "must be an int64 tensor"));
+        }
+        Ok(mmap[e.offset..e.offset + e.n_bytes]
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap_or_default()))
+            .collect())
     }
 }

@@ -40,6 +40,30 @@ pub fn fixture(name: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
+/// A tiny random model written by `tests/reference/make_tiny_models.py`.
+pub fn tiny_fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tiny")
+        .join(name)
+}
+
+/// A copy of a tiny model directory with a tokenizer.json (the tiny models have none; any
+/// byte-level tokenizer serves, the tests feed token ids).
+pub fn tiny_with_tokenizer(name: &str) -> PathBuf {
+    let dst = std::env::temp_dir().join(format!("kiln-tiny-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dst).expect("temp dir");
+    for e in std::fs::read_dir(tiny_fixture_dir(name))
+        .expect("fixture dir")
+        .flatten()
+    {
+        std::fs::copy(e.path(), dst.join(e.file_name())).expect("copy");
+    }
+    let g = kiln::weights::gguf::GgufFile::open(smollm2()).expect("gguf");
+    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    std::fs::write(dst.join("tokenizer.json"), tok.to_json().expect("json")).expect("write");
+    dst
+}
+
 /// A minimal GGUF v3 writer for error-path tests: string and u32 metadata, raw tensor bytes.
 pub enum Meta<'a> {
     Str(&'a str),
