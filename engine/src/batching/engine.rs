@@ -20,10 +20,11 @@ use crate::kv_cache::BlockAllocator;
 use crate::load::LoadedModel;
 use crate::metrics::Metrics;
 use crate::metrics::{BatchLabels, PositionLabels};
-use crate::model::{ForwardBatch, Workspace};
+use crate::model::{Eagle3Draft, ForwardBatch, Workspace};
 use crate::parallel::TpGroup;
 use crate::sampling::{Sampled, Sampler};
-use crate::speculation::{self, Policy, SpecConfig};
+use crate::speculation::eagle::{ChainRequest, Confirmed};
+use crate::speculation::{self, EagleDrafter, Policy, SpecConfig, SpecMethod};
 use crate::tokenizer::IncrementalDecoder;
 
 #[derive(Clone, Copy, Debug)]
@@ -98,11 +99,17 @@ pub struct Engine<B: Backend> {
     status: Arc<EngineStatus>,
     started: Instant,
     policy: Policy,
+    /// The EAGLE-3 draft head and its state (`--speculative-algorithm eagle3`).
+    eagle: Option<EagleDrafter<B>>,
 }
 
 /// One scheduled sequence of a step: its running index, tokens fed, and where its logits are.
 struct Fed {
     index: usize,
+    /// Tokens in the KV cache before this step (the first fed token's position).
+    start: usize,
+    /// Row of the first fed token in the step's batch.
+    first: usize,
     n: usize,
     /// First logits row of this sequence, if it samples this step.
     row: Option<usize>,
@@ -172,20 +179,22 @@ pub fn spawn<B: Backend + 'static>(
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<EngineHandle> {
-    spawn_parallel(model, cfg, metrics, None)
+    spawn_parallel(model, cfg, metrics, None, None)
 }
 
-/// Starts the engine thread as rank 0 of a tensor-parallel group (`model` is rank 0's shard).
+/// Starts the engine thread as rank 0 of a tensor-parallel group (`model` is rank 0's shard),
+/// with an EAGLE-3 draft head when `draft` is given (it runs on rank 0 only).
 pub fn spawn_parallel<B: Backend + 'static>(
     model: Arc<LoadedModel<B>>,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
     tp: Option<TpGroup>,
+    draft: Option<Eagle3Draft<B>>,
 ) -> std::io::Result<EngineHandle> {
     let (tx, rx) = std::sync::mpsc::channel();
     let status = Arc::new(EngineStatus::default());
     let started = Instant::now();
-    let mut engine = Engine::new(model, cfg, metrics, status.clone(), started, tp);
+    let mut engine = Engine::new(model, cfg, metrics, status.clone(), started, tp, draft);
     std::thread::Builder::new()
         .name("kiln-engine".into())
         .spawn(move || engine.run(rx))?;
@@ -204,6 +213,7 @@ impl<B: Backend> Engine<B> {
         status: Arc<EngineStatus>,
         started: Instant,
         tp: Option<TpGroup>,
+        draft: Option<Eagle3Draft<B>>,
     ) -> Self {
         let c = model.config();
         let n_blocks = cfg.kv_tokens.div_ceil(cfg.block_size);
@@ -214,7 +224,13 @@ impl<B: Backend> Engine<B> {
             cfg.block_size,
             model.model.local_kv_width(),
         );
-        let ws = Workspace::new(&model.backend);
+        let mut ws = Workspace::new(&model.backend);
+        let eagle = draft
+            .filter(|_| cfg.spec.method == SpecMethod::Eagle3)
+            .map(|d| EagleDrafter::new(d, &model.backend, n_blocks, cfg.block_size));
+        if let Some(e) = &eagle {
+            ws.capture_layers = e.aux_layers().to_vec();
+        }
         let sched = Scheduler::new(
             SchedulerConfig {
                 max_running: cfg.max_running,
@@ -236,6 +252,7 @@ impl<B: Backend> Engine<B> {
             metrics,
             status,
             started,
+            eagle,
         };
         if engine.policy.enabled() && engine.cfg.spec.adaptive {
             engine.calibrate();
@@ -360,6 +377,8 @@ impl<B: Backend> Engine<B> {
             });
             fed.push(Fed {
                 index: i,
+                start: seq.computed,
+                first,
                 n,
                 row,
                 drafts: d,
@@ -474,6 +493,7 @@ impl<B: Backend> Engine<B> {
                 self.sched.trim_running(f.index);
             }
         }
+        self.extend_draft(&fed, &finished);
         for (id, reason) in finished {
             self.finish(id, reason);
         }
@@ -483,12 +503,138 @@ impl<B: Backend> Engine<B> {
         self.metrics.batch_tokens.observe(tokens.len() as f64);
     }
 
+    /// EAGLE-3: the draft head catches up on every position this step confirmed.
+    fn extend_draft(&mut self, fed: &[Fed], finished: &[(SeqId, FinishReason)]) {
+        let Some(eagle) = self.eagle.as_mut() else {
+            return;
+        };
+        let running = self.sched.running();
+        let seqs: Vec<Confirmed> = fed
+            .iter()
+            .map(|f| {
+                let s = &running[f.index];
+                Confirmed {
+                    id: s.id,
+                    start: f.start,
+                    count: s.computed.saturating_sub(f.start),
+                    batch_row: f.first,
+                    tokens: &s.tokens,
+                    block_table: &s.blocks.table,
+                    drafts_next: s.computed + 1 == s.tokens.len()
+                        && !finished.iter().any(|&(id, _)| id == s.id),
+                }
+            })
+            .collect();
+        let t = Instant::now();
+        let m = &self.model;
+        if let Err(e) = eagle.extend(&m.backend, m.model.embedding(), &self.ws.captured, &seqs) {
+            // Drafting is an optimisation: the requests go on without drafts.
+            tracing::error!("EAGLE-3 draft extend failed: {e}");
+        }
+        self.policy.record_extend(t.elapsed().as_secs_f64());
+    }
+
+    /// EAGLE-3 proposals: K for the batch from the policy, then the chained draft steps.
+    fn draft_eagle(&mut self, work: &[(usize, usize)]) -> Vec<usize> {
+        let mut counts = vec![0usize; work.len()];
+        let Some(eagle) = self.eagle.as_ref() else {
+            return counts;
+        };
+        let spec = self.cfg.spec;
+        let mut other_tokens = 0;
+        let mut lens = Vec::new();
+        let mut wanted = vec![0usize; work.len()];
+        for (w, &(i, n)) in work.iter().enumerate() {
+            let seq = &self.sched.running()[i];
+            let decoding = n == 1 && seq.pending() == 1 && seq.tokens.len() > seq.prompt_len;
+            let live = self.live.get(&seq.id);
+            match live.filter(|_| decoding && eagle.ready(seq.id, seq.tokens.len())) {
+                Some(live) => {
+                    let room = (live.params.max_tokens.saturating_sub(live.generated + 1))
+                        .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));
+                    wanted[w] = spec.num_steps.min(room);
+                    lens.push(wanted[w]);
+                }
+                None => other_tokens += n,
+            }
+        }
+        let k = self.policy.choose_k(other_tokens, &lens);
+        self.metrics
+            .spec_chosen_k
+            .get_or_create(&BatchLabels::of(work.len()))
+            .observe(k as f64);
+        let mut budget = self
+            .cfg
+            .max_step_tokens
+            .saturating_sub(work.iter().map(|&(_, n)| n).sum());
+        let mut chosen = Vec::new();
+        for (w, &(i, _)) in work.iter().enumerate() {
+            let d = wanted[w].min(k).min(budget);
+            if d == 0 {
+                continue;
+            }
+            // The chained steps write draft KV up to the last draft position: reserve first.
+            let want = self.sched.running()[i].tokens.len() + d;
+            if !self.sched.reserve_running(i, want) {
+                continue;
+            }
+            chosen.push((w, d));
+            budget -= d;
+        }
+        if chosen.is_empty() {
+            return counts;
+        }
+        let running = self.sched.running();
+        let reqs: Vec<ChainRequest> = chosen
+            .iter()
+            .map(|&(w, d)| {
+                let s = &running[work[w].0];
+                ChainRequest {
+                    id: s.id,
+                    len: s.tokens.len(),
+                    k: d,
+                    block_table: &s.blocks.table,
+                }
+            })
+            .collect();
+        let t = Instant::now();
+        let m = &self.model;
+        let Some(eagle) = self.eagle.as_mut() else {
+            return counts;
+        };
+        let drafts = match eagle.propose(&m.backend, m.model.embedding(), &reqs) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!("EAGLE-3 drafting failed: {e}");
+                return counts;
+            }
+        };
+        let longest = chosen.iter().map(|&(_, d)| d).max().unwrap_or(0);
+        if longest > 1 {
+            self.policy.record_chain(
+                chosen.len(),
+                t.elapsed().as_secs_f64() / (longest - 1) as f64,
+            );
+        }
+        drop(reqs);
+        for (&(w, d), draft) in chosen.iter().zip(drafts) {
+            let seq = &mut self.sched.running_mut()[work[w].0];
+            let d = d.min(draft.len());
+            seq.tokens.extend_from_slice(&draft[..d]);
+            counts[w] = d;
+        }
+        counts
+    }
+
     /// Draft tokens for this step's decoding sequences, appended to their tokens (and their blocks
     /// reserved); returns the count per work item (0 for prefill and undrafted sequences).
     fn draft(&mut self, work: &[(usize, usize)]) -> Vec<usize> {
         let mut counts = vec![0usize; work.len()];
         if !self.policy.enabled() {
             return counts;
+        }
+        if self.cfg.spec.method == SpecMethod::Eagle3 {
+            return self.draft_eagle(work);
         }
         let spec = self.cfg.spec;
         let mut proposals: Vec<Vec<u32>> = vec![Vec::new(); work.len()];

@@ -102,10 +102,15 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     no_overlap: bool,
-    /// Speculative decoding: none, or ngram (prompt lookup: drafts continue the latest earlier
-    /// occurrence of the last tokens; no draft model) [default: none].
+    /// Speculative decoding: none; ngram (prompt lookup: drafts continue the latest earlier
+    /// occurrence of the last tokens; no draft model); eagle3 (chain drafts from an EAGLE-3 draft
+    /// head, --speculative-draft-model-path) [default: none].
     #[arg(long, value_enum)]
     speculative_algorithm: Option<SpecMethod>,
+    /// EAGLE-3 draft head: a directory with config.json and model.safetensors, in the SGLang
+    /// (`midlayer.*`) or vLLM/speculators (`layers.0.*`) layout.
+    #[arg(long)]
+    speculative_draft_model_path: Option<PathBuf>,
     /// Most draft tokens per sequence per step; S+1 positions verified [default: 3].
     #[arg(long)]
     speculative_num_steps: Option<usize>,
@@ -159,6 +164,9 @@ fn merge(flags: ServeArgs, file: ServeArgs) -> ServeArgs {
         instance: flags.instance.or(file.instance),
         no_overlap: flags.no_overlap || file.no_overlap,
         speculative_algorithm: flags.speculative_algorithm.or(file.speculative_algorithm),
+        speculative_draft_model_path: flags
+            .speculative_draft_model_path
+            .or(file.speculative_draft_model_path),
         speculative_num_steps: flags.speculative_num_steps.or(file.speculative_num_steps),
         speculative_policy: flags.speculative_policy.or(file.speculative_policy),
         speculative_ngram_min: flags.speculative_ngram_min.or(file.speculative_ngram_min),
@@ -237,6 +245,20 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         spec.num_steps <= 16,
         "--speculative-num-steps must be at most 16"
     );
+    match (spec.method, &a.speculative_draft_model_path) {
+        (SpecMethod::Eagle3, None) => anyhow::bail!(
+            "--speculative-algorithm eagle3 needs --speculative-draft-model-path (a draft head directory)"
+        ),
+        (SpecMethod::Eagle3, Some(p)) => anyhow::ensure!(
+            p.join("config.json").is_file(),
+            "--speculative-draft-model-path {}: no config.json there",
+            p.display()
+        ),
+        (_, Some(_)) => anyhow::bail!(
+            "--speculative-draft-model-path is only used with --speculative-algorithm eagle3"
+        ),
+        (_, None) => {}
+    }
     let watchdog = std::env::var("WATCHDOG_USEC")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
@@ -266,6 +288,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         shutdown_timeout: Duration::from_secs(a.shutdown_timeout.unwrap_or(30)),
         overlap: !a.no_overlap,
         spec,
+        draft_model: a.speculative_draft_model_path.clone(),
         notify_socket: std::env::var_os("NOTIFY_SOCKET").map(PathBuf::from),
         watchdog,
         lock: None,
@@ -309,6 +332,7 @@ pub fn effective_table(args: ServeArgs) -> anyhow::Result<toml::Table> {
         shutdown_timeout: Some(o.shutdown_timeout.as_secs()),
         no_overlap: !o.overlap,
         speculative_algorithm: Some(o.spec.method),
+        speculative_draft_model_path: o.draft_model.clone(),
         speculative_num_steps: Some(o.spec.num_steps),
         speculative_policy: Some(if o.spec.adaptive {
             SpecPolicy::Adaptive

@@ -33,6 +33,7 @@ use tokio::net::TcpListener;
 use crate::backend::cpu::CpuBackend;
 use crate::batching::{self, EngineConfig, EngineRequest, Event, RequestParams};
 use crate::load::load_model_shard;
+use crate::model::Eagle3Draft;
 use crate::parallel::{PeerConfig, Shard, TpGroup};
 
 /// How long a tensor-parallel collective waits for a stalled rank before the group fails (a
@@ -162,7 +163,7 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
 async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> anyhow::Result<()> {
     let opts = state.opts.clone();
     let n2 = notifier.clone();
-    let (model, tp) = tokio::task::spawn_blocking(move || -> crate::Result<_> {
+    let (model, tp, draft) = tokio::task::spawn_blocking(move || -> crate::Result<_> {
         let world = opts.tensor_parallel;
         let all_threads = opts.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()
@@ -199,7 +200,19 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
                 }
             },
         )?;
-        Ok((model, tp))
+        let draft = match &opts.draft_model {
+            Some(dir) => {
+                n2.status("loading the EAGLE-3 draft head");
+                Some(Eagle3Draft::load(
+                    &model.backend,
+                    dir,
+                    model.config(),
+                    opts.precision,
+                )?)
+            }
+            None => None,
+        };
+        Ok((model, tp, draft))
     })
     .await
     .context("the loading thread failed")?
@@ -224,7 +237,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         overlap: opts.overlap,
         spec: opts.spec,
     };
-    let engine = batching::spawn_parallel(model.clone(), cfg, state.metrics.clone(), tp)
+    let engine = batching::spawn_parallel(model.clone(), cfg, state.metrics.clone(), tp, draft)
         .context("starting the engine thread")?;
     notifier.status("warming up");
     warm_up(&engine, &model).await?;

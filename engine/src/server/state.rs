@@ -39,6 +39,8 @@ pub struct ServeOptions {
     pub instance: String,
     pub overlap: bool,
     pub spec: crate::speculation::SpecConfig,
+    /// The EAGLE-3 draft head's directory (with `--speculative-algorithm eagle3`).
+    pub draft_model: Option<PathBuf>,
     /// systemd's `$NOTIFY_SOCKET`.
     pub notify_socket: Option<PathBuf>,
     /// systemd's `$WATCHDOG_USEC`.

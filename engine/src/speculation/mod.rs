@@ -2,10 +2,13 @@
 //! forward, accepted exactly (greedy) or by rejection sampling (temperature > 0).
 //!
 //! - `ngram`: prompt-lookup drafts (no draft model);
+//! - `eagle`: EAGLE-3 chain drafts from a trained draft head reading the target's hidden states;
 //! - `policy`: how many draft tokens each step verifies, from measured step costs and acceptance.
 
+pub mod eagle;
 pub mod ngram;
 pub mod policy;
 
+pub use eagle::EagleDrafter;
 pub use ngram::propose;
 pub use policy::{Policy, SpecConfig, SpecMethod, SpecPolicy};

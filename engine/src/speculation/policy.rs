@@ -6,7 +6,9 @@
 //!
 //! where α_m is the measured probability that draft position m is accepted once m-1 were, and
 //! `cost` is the measured step time as a function of the tokens in the step (a table of moving
-//! averages, seeded by a calibration at start). On the CPU a single sequence's step is bound by
+//! averages, seeded by a calibration at start). EAGLE-3 adds K-1 chained draft steps to time(K)
+//! (measured per batch size); its draft-extend runs whatever K is, so it does not enter the
+//! choice — it is the price of keeping the draft ready, paid at K = 0 too. On the CPU a single sequence's step is bound by
 //! reading the weights, so verifying a few extra tokens is nearly free and K grows; a large batch is
 //! compute-bound, every draft token costs as much as a real one, and K falls to 0 (plain decode,
 //! which costs nothing extra for n-gram drafts: there is no draft state to catch up).
@@ -30,6 +32,9 @@ pub enum SpecMethod {
     None,
     /// Prompt lookup: continue the most recent earlier occurrence of the last n tokens.
     Ngram,
+    /// EAGLE-3 chain drafts from a draft head (`--speculative-draft-model-path`).
+    #[value(name = "eagle3", alias = "EAGLE3")]
+    Eagle3,
 }
 
 /// How K is chosen each step.
@@ -92,6 +97,10 @@ pub struct Policy {
     cost: [Option<f64>; BUCKETS.len()],
     /// Per draft position: (accepted, tried), decayed.
     accept: Vec<(f64, f64)>,
+    /// EAGLE-3: moving-average seconds of one chained draft step, by sequences in the batch.
+    chain: [Option<f64>; BUCKETS.len()],
+    /// EAGLE-3: moving-average seconds of the draft-extend after each step.
+    pub extend_secs: Option<f64>,
 }
 
 impl Policy {
@@ -100,6 +109,8 @@ impl Policy {
             accept: vec![(0.0, 0.0); cfg.num_steps.max(1)],
             cfg,
             cost: [None; BUCKETS.len()],
+            chain: [None; BUCKETS.len()],
+            extend_secs: None,
         }
     }
 
@@ -126,6 +137,40 @@ impl Policy {
             Some(c) => c + COST_EWMA * (scaled - c),
             None => scaled,
         });
+    }
+
+    /// One chained EAGLE-3 draft step over `seqs` sequences took `secs`.
+    pub fn record_chain(&mut self, seqs: usize, secs: f64) {
+        if seqs == 0 || !secs.is_finite() {
+            return;
+        }
+        let slot = &mut self.chain[Self::bucket(seqs)];
+        *slot = Some(match *slot {
+            Some(c) => c + COST_EWMA * (secs - c),
+            None => secs,
+        });
+    }
+
+    /// One EAGLE-3 draft-extend took `secs`.
+    pub fn record_extend(&mut self, secs: f64) {
+        if secs.is_finite() {
+            self.extend_secs = Some(match self.extend_secs {
+                Some(c) => c + COST_EWMA * (secs - c),
+                None => secs,
+            });
+        }
+    }
+
+    /// Seconds of one chained draft step over `seqs` sequences: the nearest measured bucket at
+    /// or below (a smaller batch never costs more), else the smallest measured one; 0 before any.
+    fn chain_cost(&self, seqs: usize) -> f64 {
+        let b = Self::bucket(seqs);
+        self.chain[..=b]
+            .iter()
+            .rev()
+            .find_map(|c| *c)
+            .or_else(|| self.chain.iter().find_map(|c| *c))
+            .unwrap_or(0.0)
     }
 
     /// Estimated seconds of a step of `tokens` tokens: linear between measured buckets,
@@ -192,6 +237,7 @@ impl Policy {
         // Expected extra tokens of a draft of length L verified up to K: Σ_{j < min(K, L)} reach[j+1].
         // From the longest draft down; a shorter one must win by a clear margin, so measurement noise
         // does not shave drafts whose acceptance is high.
+        let drafting = drafts.iter().filter(|&&d| d > 0).count();
         let mut best = (s, 0f64);
         for k in (0..=s).rev() {
             let mut tokens = other_tokens;
@@ -201,9 +247,12 @@ impl Policy {
                 tokens += 1 + used;
                 yield_ += 1.0 + reach[1..=used].iter().sum::<f64>();
             }
-            let Some(t) = self.cost(tokens) else {
+            let Some(mut t) = self.cost(tokens) else {
                 return 0;
             };
+            if self.cfg.method == SpecMethod::Eagle3 && k > 1 {
+                t += (k - 1) as f64 * self.chain_cost(drafting);
+            }
             let rate = yield_ / t.max(1e-9);
             if k == s || rate > best.1 * 1.01 {
                 best = (k, rate);
@@ -270,6 +319,31 @@ mod tests {
             p.record_verify(3, 0);
         }
         assert_eq!(p.choose_k(0, &[3]), 0);
+    }
+
+    #[test]
+    fn eagle_chain_steps_count_against_long_drafts() {
+        let mut p = Policy::new(SpecConfig {
+            method: SpecMethod::Eagle3,
+            num_steps: 3,
+            ..Default::default()
+        });
+        for (t, s) in [(1, 0.010), (2, 0.0102), (4, 0.0105), (8, 0.014)] {
+            p.record_step(t, s);
+        }
+        for _ in 0..50 {
+            p.record_verify(3, 3);
+        }
+        // Free chained steps: the longest draft.
+        assert_eq!(p.choose_k(0, &[3]), 3);
+        // A chained step as dear as a target step: K = 1 (no chained step) wins.
+        p.record_chain(1, 0.010);
+        assert_eq!(p.choose_k(0, &[3]), 1);
+        // A cheap draft head: back to the longest draft.
+        for _ in 0..40 {
+            p.record_chain(1, 0.0005);
+        }
+        assert_eq!(p.choose_k(0, &[3]), 3);
     }
 
     #[test]
