@@ -48,7 +48,7 @@ fn sweep_lock_doc_doctor_and_serve_lock() {
             "[bench]\nconcurrency = [1, 2]\nnum-prompts = 3\nmax-tokens = 8\n\n\
              [serve]\nmodel = {:?}\nport = {port}\nkv-tokens = 4096\nthreads = 1\n\n\
              [[config]]\nname = \"baseline\"\n\n\
-             [[config]]\nname = \"ngram\"\nspeculative-algorithm = \"ngram\"\n",
+             [[config]]\nname = \"ngram\"\nspeculative-algorithm = \"ngram\"\nspeculative-policy = \"fixed\"\n",
             s(&model)
         ),
     )

@@ -149,3 +149,145 @@ fn bad_speculation_flags_are_refused_with_the_flag_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--speculative-ngram-min"), "{err}");
 }
+
+/// An EAGLE-3 draft head for SmolLM2 written at test time: random small weights, and a one-token
+/// draft vocabulary mapping to `token`, so every draft proposes `token`. With `token` = "," and
+/// list-like prompts the target often agrees, so drafts are both accepted (the draft-extend then
+/// covers several positions) and rejected — what exactness needs exercised.
+fn write_comma_draft(dir: &std::path::Path, token: u32) {
+    use safetensors::tensor::{Dtype, TensorView};
+    let (h, inter, heads, kv_heads, hd) = (576usize, 64usize, 9usize, 3usize, 64usize);
+    std::fs::create_dir_all(dir).expect("draft dir");
+    let config = json!({
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": 1,
+        "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
+        "norm_before_residual": false,
+        "transformer_layer_config": {
+            "model_type": "llama", "hidden_size": h, "intermediate_size": inter,
+            "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": hd, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+            "rope_theta": 100000.0, "max_position_embeddings": 8192
+        }
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("config");
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut random = |n: usize, scale: f32, offset: f32| -> Vec<u8> {
+        (0..n)
+            .flat_map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                (offset + scale * u).to_le_bytes()
+            })
+            .collect()
+    };
+    let (q, kv) = (heads * hd, kv_heads * hd);
+    let shapes: Vec<(&str, Vec<usize>, f32, f32)> = vec![
+        ("fc.weight", vec![h, 3 * h], 0.05, 0.0),
+        ("layers.0.input_layernorm.weight", vec![h], 0.2, 1.0),
+        ("layers.0.hidden_norm.weight", vec![h], 0.2, 1.0),
+        (
+            "layers.0.self_attn.q_proj.weight",
+            vec![q, 2 * h],
+            0.05,
+            0.0,
+        ),
+        (
+            "layers.0.self_attn.k_proj.weight",
+            vec![kv, 2 * h],
+            0.05,
+            0.0,
+        ),
+        (
+            "layers.0.self_attn.v_proj.weight",
+            vec![kv, 2 * h],
+            0.05,
+            0.0,
+        ),
+        ("layers.0.self_attn.o_proj.weight", vec![h, q], 0.05, 0.0),
+        (
+            "layers.0.post_attention_layernorm.weight",
+            vec![h],
+            0.2,
+            1.0,
+        ),
+        ("layers.0.mlp.gate_proj.weight", vec![inter, h], 0.05, 0.0),
+        ("layers.0.mlp.up_proj.weight", vec![inter, h], 0.05, 0.0),
+        ("layers.0.mlp.down_proj.weight", vec![h, inter], 0.05, 0.0),
+        ("norm.weight", vec![h], 0.2, 1.0),
+        ("lm_head.weight", vec![1, h], 0.05, 0.0),
+    ];
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = shapes
+        .into_iter()
+        .map(|(n, s, scale, off)| {
+            let len = s.iter().product();
+            (n.to_string(), s, random(len, scale, off))
+        })
+        .collect();
+    let d2t = (token as i64).to_le_bytes().to_vec();
+    let mut views: Vec<(String, TensorView)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).expect("view"),
+            )
+        })
+        .collect();
+    views.push((
+        "d2t".into(),
+        TensorView::new(Dtype::I64, vec![1], &d2t).expect("view"),
+    ));
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
+}
+
+#[test]
+fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
+    let p = prompts();
+    let want: Vec<(String, u64)> = {
+        let base = Server::start(&[]);
+        p.iter().map(|(t, e)| greedy(&base, t, *e)).collect()
+    };
+    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
+    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    let comma = tok.encode(",", false).expect("encode");
+    assert_eq!(comma.len(), 1, "\",\" is one token");
+    let dir = std::env::temp_dir().join(format!("kiln-eagle3-comma-{}", std::process::id()));
+    write_comma_draft(&dir, comma[0]);
+    let draft = dir.to_string_lossy().to_string();
+    let fixed = Server::start(&[
+        "--speculative-algorithm",
+        "eagle3",
+        "--speculative-draft-model-path",
+        &draft,
+        "--speculative-policy",
+        "fixed",
+        "--speculative-num-steps",
+        "3",
+    ]);
+    for c in [1, 4, 16] {
+        let n = if c == 1 { 6 } else { p.len() };
+        let got = concurrently(&fixed, &p[..n], c);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "EAGLE-3, C={c}, prompt {i} ({:?})", p[i].0);
+        }
+    }
+    let drafted = fixed.metric("kiln_spec_draft_tokens_total");
+    let accepted = fixed.metric("kiln_spec_accepted_tokens_total");
+    assert!(
+        accepted > 0.0 && drafted > accepted,
+        "drafted {drafted}, accepted {accepted}"
+    );
+    let adaptive = Server::start(&[
+        "--speculative-algorithm",
+        "eagle3",
+        "--speculative-draft-model-path",
+        &draft,
+    ]);
+    let got = concurrently(&adaptive, &p, 16);
+    assert_eq!(got, want, "EAGLE-3, adaptive policy at C=16");
+    std::fs::remove_dir_all(&dir).ok();
+}
