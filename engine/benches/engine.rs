@@ -42,6 +42,7 @@ fn batched_decode(m: &LoadedModel<CpuBackend>, batch: usize, context: usize, ste
                 n_tokens: n_new,
                 start_pos: len,
                 block_table: &s.table,
+                tree: None,
             })
             .collect();
         let tokens: Vec<u32> = (0..batch * n_new)

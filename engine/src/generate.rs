@@ -166,6 +166,7 @@ impl<B: Backend> SingleSequence<B> {
             n_tokens: tokens.len(),
             start_pos: start,
             block_table: &seq.table,
+            tree: None,
         }];
         let batch = ForwardBatch {
             tokens,

@@ -31,6 +31,7 @@ fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) -> Vec
         n_tokens: n,
         start_pos: 0,
         block_table: &seq.table,
+        tree: None,
     }];
     let batch = ForwardBatch {
         tokens,

@@ -48,6 +48,7 @@ fn captured(m: &LoadedModel<CpuBackend>, prompt: &[u32], layers: &[usize]) -> Ve
         n_tokens: n,
         start_pos: 0,
         block_table: &seq.table,
+        tree: None,
     }];
     let mut ws = Workspace::new(&m.backend);
     ws.capture_layers = layers.to_vec();
@@ -94,6 +95,7 @@ fn run_draft(
         n_tokens: n,
         start_pos: 0,
         block_table: &seq.table,
+        tree: None,
     }];
     let out = draft
         .forward(
@@ -123,6 +125,7 @@ fn run_draft(
             n_tokens: t + 1,
             start_pos: 0,
             block_table: &seq.table,
+            tree: None,
         }];
         let ext = draft
             .forward(
@@ -142,6 +145,7 @@ fn run_draft(
             n_tokens: 1,
             start_pos: t + 1,
             block_table: &seq.table,
+            tree: None,
         }];
         let step = draft
             .forward(

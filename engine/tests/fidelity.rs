@@ -84,6 +84,7 @@ fn teacher_forced(m: &LoadedModel<CpuBackend>, case: &Case) -> Vec<Vec<f32>> {
         n_tokens: n,
         start_pos: 0,
         block_table: &seq.table,
+        tree: None,
     }];
     let rows: Vec<usize> = (case.prompt_ids.len() - 1..n).collect();
     let batch = ForwardBatch {

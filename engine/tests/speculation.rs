@@ -148,20 +148,73 @@ fn bad_speculation_flags_are_refused_with_the_flag_named() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--speculative-ngram-min"), "{err}");
+    // Tree flags: each mistake names the flag at fault.
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &[
+                "--speculative-algorithm",
+                "ngram",
+                "--speculative-eagle-topk",
+                "2",
+            ],
+            "--speculative-eagle-topk",
+        ),
+        (
+            &[
+                "--speculative-algorithm",
+                "ngram",
+                "--speculative-num-draft-tokens",
+                "9",
+            ],
+            "--speculative-num-draft-tokens",
+        ),
+        (
+            &[
+                "--speculative-algorithm",
+                "eagle3",
+                "--speculative-eagle-topk",
+                "4",
+                "--speculative-num-draft-tokens",
+                "65",
+            ],
+            "--speculative-num-draft-tokens",
+        ),
+        (
+            &[
+                "--speculative-algorithm",
+                "eagle3",
+                "--speculative-eagle-topk",
+                "9",
+                "--speculative-num-steps",
+                "10",
+            ],
+            "--speculative-eagle-topk",
+        ),
+    ];
+    for (args, flag) in cases {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .arg("serve")
+            .args(args)
+            .output()
+            .expect("run kiln");
+        assert!(!out.status.success(), "{args:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
 }
 
-/// An EAGLE-3 draft head for SmolLM2 written at test time: random small weights, and a one-token
-/// draft vocabulary mapping to `token`, so every draft proposes `token`. With `token` = "," and
-/// list-like prompts the target often agrees, so drafts are both accepted (the draft-extend then
-/// covers several positions) and rejected — what exactness needs exercised.
-fn write_comma_draft(dir: &std::path::Path, token: u32) {
+/// An EAGLE-3 draft head for SmolLM2 written at test time: random small weights, and a draft
+/// vocabulary of just `tokens`, so every draft proposes one of them. With "," and list-like
+/// prompts the target often agrees, so drafts are both accepted (the draft-extend then covers
+/// several positions) and rejected — what exactness needs exercised.
+fn write_small_vocab_draft(dir: &std::path::Path, tokens: &[u32]) {
     use safetensors::tensor::{Dtype, TensorView};
     let (h, inter, heads, kv_heads, hd) = (576usize, 64usize, 9usize, 3usize, 64usize);
     std::fs::create_dir_all(dir).expect("draft dir");
     let config = json!({
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
-        "draft_vocab_size": 1,
+        "draft_vocab_size": tokens.len(),
         "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
         "norm_before_residual": false,
         "transformer_layer_config": {
@@ -218,7 +271,7 @@ fn write_comma_draft(dir: &std::path::Path, token: u32) {
         ("layers.0.mlp.up_proj.weight", vec![inter, h], 0.05, 0.0),
         ("layers.0.mlp.down_proj.weight", vec![h, inter], 0.05, 0.0),
         ("norm.weight", vec![h], 0.2, 1.0),
-        ("lm_head.weight", vec![1, h], 0.05, 0.0),
+        ("lm_head.weight", vec![tokens.len(), h], 0.05, 0.0),
     ];
     let data: Vec<(String, Vec<usize>, Vec<u8>)> = shapes
         .into_iter()
@@ -227,7 +280,12 @@ fn write_comma_draft(dir: &std::path::Path, token: u32) {
             (n.to_string(), s, random(len, scale, off))
         })
         .collect();
-    let d2t = (token as i64).to_le_bytes().to_vec();
+    // d2t: target id = draft id + d2t[draft id].
+    let d2t: Vec<u8> = tokens
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &t)| (t as i64 - i as i64).to_le_bytes())
+        .collect();
     let mut views: Vec<(String, TensorView)> = data
         .iter()
         .map(|(n, s, b)| {
@@ -239,7 +297,7 @@ fn write_comma_draft(dir: &std::path::Path, token: u32) {
         .collect();
     views.push((
         "d2t".into(),
-        TensorView::new(Dtype::I64, vec![1], &d2t).expect("view"),
+        TensorView::new(Dtype::I64, vec![tokens.len()], &d2t).expect("view"),
     ));
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
 }
@@ -256,7 +314,7 @@ fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     let comma = tok.encode(",", false).expect("encode");
     assert_eq!(comma.len(), 1, "\",\" is one token");
     let dir = std::env::temp_dir().join(format!("kiln-eagle3-comma-{}", std::process::id()));
-    write_comma_draft(&dir, comma[0]);
+    write_small_vocab_draft(&dir, &comma);
     let draft = dir.to_string_lossy().to_string();
     let fixed = Server::start(&[
         "--speculative-algorithm",
@@ -289,5 +347,55 @@ fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     ]);
     let got = concurrently(&adaptive, &p, 16);
     assert_eq!(got, want, "EAGLE-3, adaptive policy at C=16");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn eagle3_tree_speculation_keeps_greedy_output_exact_at_every_batch_size() {
+    let p = prompts();
+    let want: Vec<(String, u64)> = {
+        let base = Server::start(&[]);
+        p.iter().map(|(t, e)| greedy(&base, t, *e)).collect()
+    };
+    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
+    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    let vocab: Vec<u32> = [",", " ", ".", "\n", " the"]
+        .iter()
+        .map(|t| tok.encode(t, false).expect("encode")[0])
+        .collect();
+    let dir = std::env::temp_dir().join(format!("kiln-eagle3-tree-{}", std::process::id()));
+    write_small_vocab_draft(&dir, &vocab);
+    let draft = dir.to_string_lossy().to_string();
+    let tree = [
+        "--speculative-algorithm",
+        "eagle3",
+        "--speculative-draft-model-path",
+        &draft,
+        "--speculative-eagle-topk",
+        "3",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-num-draft-tokens",
+        "8",
+    ];
+    let mut fixed_flags = tree.to_vec();
+    fixed_flags.extend(["--speculative-policy", "fixed"]);
+    let fixed = Server::start(&fixed_flags);
+    for c in [1, 4, 16] {
+        let n = if c == 1 { 6 } else { p.len() };
+        let got = concurrently(&fixed, &p[..n], c);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "EAGLE-3 tree, C={c}, prompt {i} ({:?})", p[i].0);
+        }
+    }
+    let drafted = fixed.metric("kiln_spec_draft_tokens_total");
+    let accepted = fixed.metric("kiln_spec_accepted_tokens_total");
+    assert!(
+        accepted > 0.0 && drafted > accepted,
+        "drafted {drafted}, accepted {accepted}"
+    );
+    let adaptive = Server::start(&tree);
+    let got = concurrently(&adaptive, &p, 16);
+    assert_eq!(got, want, "EAGLE-3 tree, adaptive policy at C=16");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -250,6 +250,7 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
         n_tokens: 2,
         start_pos: 0,
         block_table: &table,
+        tree: None,
     }];
     let batch = ForwardBatch {
         tokens: &[1, 2],

@@ -41,7 +41,24 @@ pub struct SeqSpan<'a> {
     pub start_pos: usize,
     /// Physical KV block of each logical block of this sequence.
     pub block_table: &'a [u32],
+    /// Tree speculation: which of the positions from `tree.base` on each new token sees. `None`:
+    /// causal (every earlier position).
+    pub tree: Option<TreeMask<'a>>,
 }
+
+/// The attention mask of an EAGLE token tree (draft or verification): positions before `base`
+/// (the accepted prefix) are visible to every new token; position `base + j` is visible to new
+/// token `i` only when bit `j` of `rows[i]` is set (its ancestors and itself). At most 64
+/// positions from `base` to the span's last new token.
+#[derive(Clone, Copy, Debug)]
+pub struct TreeMask<'a> {
+    pub base: usize,
+    /// One bit row per new token of the span.
+    pub rows: &'a [u64],
+}
+
+/// Most positions a [`TreeMask`] covers (bits in a row).
+pub const TREE_MAX_POSITIONS: usize = 64;
 
 /// RoPE tables shared by all layers.
 #[derive(Clone, Debug)]
@@ -125,6 +142,9 @@ pub trait Backend: Send + Sync {
         head_dim: usize,
         out: &mut Self::Buffer,
     );
+    /// Moves cached K/V entries of one sequence in every layer: for each `(from, to)`, in order,
+    /// position `to` gets what position `from` held (tree verification keeps the accepted path).
+    fn move_kv(&self, kv: &mut Self::KvStore, block_table: &[u32], moves: &[(usize, usize)]);
     /// `out[t] = silu(gu[t][..h]) * gu[t][h..]` where `gu` holds `[gate | up]`.
     fn silu_mul(&self, gu: &Self::Buffer, out: &mut Self::Buffer);
     /// `x += y`.

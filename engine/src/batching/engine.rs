@@ -14,7 +14,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::request::{EngineRequest, Event, RequestParams};
 use super::scheduler::{Scheduler, SchedulerConfig, SeqId, SeqState};
-use crate::backend::{Backend, SeqSpan};
+use crate::backend::{Backend, SeqSpan, TreeMask};
 use crate::generate::FinishReason;
 use crate::kv_cache::BlockAllocator;
 use crate::load::LoadedModel;
@@ -23,7 +23,8 @@ use crate::metrics::{BatchLabels, PositionLabels};
 use crate::model::{Eagle3Draft, ForwardBatch, Workspace};
 use crate::parallel::TpGroup;
 use crate::sampling::{Sampled, Sampler};
-use crate::speculation::eagle::{ChainRequest, Confirmed};
+use crate::speculation::eagle::{ChainRequest, Confirmed, TreeRequest};
+use crate::speculation::tree::DraftTree;
 use crate::speculation::{self, EagleDrafter, Policy, SpecConfig, SpecMethod};
 use crate::tokenizer::IncrementalDecoder;
 
@@ -115,6 +116,24 @@ struct Fed {
     row: Option<usize>,
     /// Draft tokens among the fed ones (the last `drafts` of them); each has its own logits row.
     drafts: usize,
+    /// Tree speculation: the drafts as a tree, and its verification mask.
+    tree: Option<(DraftTree, Vec<u64>)>,
+}
+
+/// This step's proposals: draft tokens per work item (appended to its sequence), and the tree
+/// they form when tree speculation drafted them.
+struct Drafts {
+    counts: Vec<usize>,
+    trees: Vec<Option<DraftTree>>,
+}
+
+impl Drafts {
+    fn none(n: usize) -> Drafts {
+        Drafts {
+            counts: vec![0; n],
+            trees: vec![None; n],
+        }
+    }
 }
 
 /// Hands one generated token to its request (events, metrics, sampler history already updated by
@@ -227,7 +246,7 @@ impl<B: Backend> Engine<B> {
         let mut ws = Workspace::new(&model.backend);
         let eagle = draft
             .filter(|_| cfg.spec.method == SpecMethod::Eagle3)
-            .map(|d| EagleDrafter::new(d, &model.backend, n_blocks, cfg.block_size));
+            .map(|d| EagleDrafter::new(d, &model.backend, n_blocks, cfg.block_size, cfg.spec.topk));
         if let Some(e) = &eagle {
             ws.capture_layers = e.aux_layers().to_vec();
         }
@@ -277,6 +296,7 @@ impl<B: Backend> Engine<B> {
                 n_tokens: n,
                 start_pos: 0,
                 block_table: &blocks.table,
+                tree: None,
             }];
             let rows = [n - 1];
             let batch = ForwardBatch {
@@ -356,17 +376,24 @@ impl<B: Backend> Engine<B> {
         if plan.work.is_empty() {
             return;
         }
-        let drafts = self.draft(&plan.work);
+        let Drafts { counts, trees } = self.draft(&plan.work);
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut logit_rows = Vec::new();
         let mut fed: Vec<Fed> = Vec::new();
-        for (&(i, n), &d) in plan.work.iter().zip(&drafts) {
+        for ((&(i, n), &d), tree) in plan.work.iter().zip(&counts).zip(trees) {
             let seq = &self.sched.running()[i];
             let n = n + d;
             let first = tokens.len();
             tokens.extend_from_slice(&seq.tokens[seq.computed..seq.computed + n]);
-            positions.extend(seq.computed..seq.computed + n);
+            match &tree {
+                // Tree nodes take the slots after the current token, at their depth's position.
+                Some(t) => {
+                    positions.push(seq.computed);
+                    positions.extend(t.depths().into_iter().map(|dep| seq.computed + dep));
+                }
+                None => positions.extend(seq.computed..seq.computed + n),
+            }
             let samples = seq.computed + n == seq.tokens.len();
             let row = samples.then(|| {
                 let row = logit_rows.len();
@@ -382,6 +409,10 @@ impl<B: Backend> Engine<B> {
                 n,
                 row,
                 drafts: d,
+                tree: tree.map(|t| {
+                    let mask = t.verify_mask();
+                    (t, mask)
+                }),
             });
         }
         let running = self.sched.running();
@@ -395,6 +426,10 @@ impl<B: Backend> Engine<B> {
                     n_tokens: f.n,
                     start_pos: s.computed,
                     block_table: &s.blocks.table,
+                    tree: f.tree.as_ref().map(|(_, rows)| TreeMask {
+                        base: s.computed,
+                        rows,
+                    }),
                 };
                 first += f.n;
                 span
@@ -442,7 +477,9 @@ impl<B: Backend> Engine<B> {
         let vocab = self.model.config().vocab_size;
         let batch_label = BatchLabels::of(fed.len());
         let mut finished = Vec::new();
-        for f in &fed {
+        // Tree sequences: the step rows of the positions verification confirmed.
+        let mut confirmed_rows: Vec<Option<Vec<usize>>> = vec![None; fed.len()];
+        for (fi, f) in fed.iter().enumerate() {
             let seq = &mut self.sched.running_mut()[f.index];
             seq.computed += f.n;
             let Some(row) = f.row else { continue };
@@ -455,27 +492,68 @@ impl<B: Backend> Engine<B> {
             let draft: Vec<u32> = seq.tokens.drain(base..).collect();
             seq.computed -= f.drafts;
             let mut accepted = 0;
-            for j in 0..=f.drafts {
-                let r = row + j;
-                let mut row_logits = logits[r * vocab..(r + 1) * vocab].to_vec();
-                let (sampled, is_draft) = match draft.get(j) {
-                    Some(&d) => live.sampler.verify(&mut row_logits, d),
-                    None => (live.sampler.sample(&mut row_logits), false),
-                };
-                let reason = emit(seq, live, sampled, &self.metrics, &self.model, &self.cfg);
-                if let Some(r) = reason {
+            if let Some((tree, _)) = &f.tree {
+                // Sample at each node the target reached (greedy: its argmax) and follow the
+                // child carrying that token: exactly the tokens plain decoding would emit.
+                // A token that ends the request stops the walk (as in a chain, it is not counted
+                // as accepted: the sequence is done).
+                let mut ended = None;
+                let path = tree.accepted_path(|at| {
+                    let r = row + at.map_or(0, |n| n + 1);
+                    let mut row_logits = logits[r * vocab..(r + 1) * vocab].to_vec();
+                    let sampled = live.sampler.sample(&mut row_logits);
+                    let token = sampled.token;
+                    ended = emit(seq, live, sampled, &self.metrics, &self.model, &self.cfg);
+                    ended.is_none().then_some(token)
+                });
+                if let Some(r) = ended {
                     finished.push((id, r));
-                    break;
                 }
-                if !is_draft {
-                    break;
+                accepted = path.len();
+                // Node c's KV sits in the slot after the current token's plus c; the accepted
+                // path moves to consecutive positions (sources never precede destinations).
+                let moves: Vec<(usize, usize)> = path
+                    .iter()
+                    .enumerate()
+                    .map(|(depth, &c)| (f.start + 1 + c, f.start + 1 + depth))
+                    .collect();
+                self.model
+                    .backend
+                    .move_kv(&mut self.kv, &seq.blocks.table, &moves);
+                seq.computed += accepted;
+                confirmed_rows[fi] = Some(
+                    std::iter::once(f.first)
+                        .chain(path.iter().map(|&c| f.first + 1 + c))
+                        .collect(),
+                );
+            } else {
+                for j in 0..=f.drafts {
+                    let r = row + j;
+                    let mut row_logits = logits[r * vocab..(r + 1) * vocab].to_vec();
+                    let (sampled, is_draft) = match draft.get(j) {
+                        Some(&d) => live.sampler.verify(&mut row_logits, d),
+                        None => (live.sampler.sample(&mut row_logits), false),
+                    };
+                    let reason = emit(seq, live, sampled, &self.metrics, &self.model, &self.cfg);
+                    if let Some(r) = reason {
+                        finished.push((id, r));
+                        break;
+                    }
+                    if !is_draft {
+                        break;
+                    }
+                    // An accepted draft's KV entry is already in the cache.
+                    accepted += 1;
+                    seq.computed += 1;
                 }
-                // An accepted draft's KV entry is already in the cache.
-                accepted += 1;
-                seq.computed += 1;
             }
             if f.drafts > 0 {
-                self.policy.record_verify(f.drafts, accepted);
+                // A tree is tried depth by depth, as a chain of its depth.
+                let proposed = f
+                    .tree
+                    .as_ref()
+                    .map_or(f.drafts, |(t, _)| t.depths().into_iter().max().unwrap_or(0));
+                self.policy.record_verify(proposed, accepted);
                 self.metrics.spec_draft_tokens.inc_by(f.drafts as u64);
                 self.metrics.spec_accepted_tokens.inc_by(accepted as u64);
                 for p in 0..accepted {
@@ -493,7 +571,7 @@ impl<B: Backend> Engine<B> {
                 self.sched.trim_running(f.index);
             }
         }
-        self.extend_draft(&fed, &finished);
+        self.extend_draft(&fed, &confirmed_rows, &finished);
         for (id, reason) in finished {
             self.finish(id, reason);
         }
@@ -504,20 +582,28 @@ impl<B: Backend> Engine<B> {
     }
 
     /// EAGLE-3: the draft head catches up on every position this step confirmed.
-    fn extend_draft(&mut self, fed: &[Fed], finished: &[(SeqId, FinishReason)]) {
+    fn extend_draft(
+        &mut self,
+        fed: &[Fed],
+        confirmed_rows: &[Option<Vec<usize>>],
+        finished: &[(SeqId, FinishReason)],
+    ) {
         let Some(eagle) = self.eagle.as_mut() else {
             return;
         };
         let running = self.sched.running();
         let seqs: Vec<Confirmed> = fed
             .iter()
-            .map(|f| {
+            .zip(confirmed_rows)
+            .map(|(f, rows)| {
                 let s = &running[f.index];
+                let count = s.computed.saturating_sub(f.start);
                 Confirmed {
                     id: s.id,
                     start: f.start,
-                    count: s.computed.saturating_sub(f.start),
-                    batch_row: f.first,
+                    batch_rows: rows
+                        .clone()
+                        .unwrap_or_else(|| (f.first..f.first + count).collect()),
                     tokens: &s.tokens,
                     block_table: &s.blocks.table,
                     drafts_next: s.computed + 1 == s.tokens.len()
@@ -534,11 +620,12 @@ impl<B: Backend> Engine<B> {
         self.policy.record_extend(t.elapsed().as_secs_f64());
     }
 
-    /// EAGLE-3 proposals: K for the batch from the policy, then the chained draft steps.
-    fn draft_eagle(&mut self, work: &[(usize, usize)]) -> Vec<usize> {
-        let mut counts = vec![0usize; work.len()];
+    /// EAGLE-3 proposals: K for the batch from the policy, then the chained draft steps (a
+    /// chain of K tokens, or a tree of depth K with topk > 1).
+    fn draft_eagle(&mut self, work: &[(usize, usize)]) -> Drafts {
+        let mut drafts = Drafts::none(work.len());
         let Some(eagle) = self.eagle.as_ref() else {
-            return counts;
+            return drafts;
         };
         let spec = self.cfg.spec;
         let mut other_tokens = 0;
@@ -567,71 +654,114 @@ impl<B: Backend> Engine<B> {
             .cfg
             .max_step_tokens
             .saturating_sub(work.iter().map(|&(_, n)| n).sum());
+        let tree = spec.topk > 1;
+        // (work item, depth, tokens verified)
         let mut chosen = Vec::new();
         for (w, &(i, _)) in work.iter().enumerate() {
-            let d = wanted[w].min(k).min(budget);
-            if d == 0 {
+            let depth = wanted[w].min(k);
+            let verified = if tree {
+                (spec.num_draft_tokens - 1).min(budget)
+            } else {
+                depth.min(budget)
+            };
+            let depth = depth.min(verified);
+            if depth == 0 {
                 continue;
             }
-            // The chained steps write draft KV up to the last draft position: reserve first.
-            let want = self.sched.running()[i].tokens.len() + d;
+            // The draft steps and the verification write KV up to their last slot: reserve first.
+            let slots = if tree {
+                verified.max(spec.topk * (depth - 1))
+            } else {
+                depth
+            };
+            let want = self.sched.running()[i].tokens.len() + slots;
             if !self.sched.reserve_running(i, want) {
                 continue;
             }
-            chosen.push((w, d));
-            budget -= d;
+            chosen.push((w, depth, verified));
+            budget -= verified;
         }
         if chosen.is_empty() {
-            return counts;
+            return drafts;
         }
-        let running = self.sched.running();
-        let reqs: Vec<ChainRequest> = chosen
-            .iter()
-            .map(|&(w, d)| {
-                let s = &running[work[w].0];
-                ChainRequest {
-                    id: s.id,
-                    len: s.tokens.len(),
-                    k: d,
-                    block_table: &s.blocks.table,
-                }
-            })
-            .collect();
         let t = Instant::now();
         let m = &self.model;
+        let running = self.sched.running();
         let Some(eagle) = self.eagle.as_mut() else {
-            return counts;
+            return drafts;
         };
-        let drafts = match eagle.propose(&m.backend, m.model.embedding(), &reqs) {
-            Ok(d) => d,
+        let proposed = if tree {
+            let reqs: Vec<TreeRequest> = chosen
+                .iter()
+                .map(|&(w, depth, nodes)| {
+                    let s = &running[work[w].0];
+                    TreeRequest {
+                        id: s.id,
+                        len: s.tokens.len(),
+                        depth,
+                        nodes,
+                        block_table: &s.blocks.table,
+                    }
+                })
+                .collect();
+            eagle
+                .propose_tree(&m.backend, m.model.embedding(), &reqs)
+                .map(|ts| {
+                    ts.into_iter()
+                        .map(|t| (t.tokens.clone(), Some(t)))
+                        .collect()
+                })
+        } else {
+            let reqs: Vec<ChainRequest> = chosen
+                .iter()
+                .map(|&(w, d, _)| {
+                    let s = &running[work[w].0];
+                    ChainRequest {
+                        id: s.id,
+                        len: s.tokens.len(),
+                        k: d,
+                        block_table: &s.blocks.table,
+                    }
+                })
+                .collect();
+            eagle
+                .propose(&m.backend, m.model.embedding(), &reqs)
+                .map(|ds| ds.into_iter().map(|d| (d, None)).collect::<Vec<_>>())
+        };
+        let proposed: Vec<(Vec<u32>, Option<DraftTree>)> = match proposed {
+            Ok(p) => p,
             Err(e) => {
                 tracing::error!("EAGLE-3 drafting failed: {e}");
-                return counts;
+                return drafts;
             }
         };
-        let longest = chosen.iter().map(|&(_, d)| d).max().unwrap_or(0);
+        let longest = chosen.iter().map(|&(_, d, _)| d).max().unwrap_or(0);
         if longest > 1 {
             self.policy.record_chain(
-                chosen.len(),
+                chosen.len() * spec.topk,
                 t.elapsed().as_secs_f64() / (longest - 1) as f64,
             );
         }
-        drop(reqs);
-        for (&(w, d), draft) in chosen.iter().zip(drafts) {
+        for (&(w, d, _), (tokens, tree)) in chosen.iter().zip(proposed) {
             let seq = &mut self.sched.running_mut()[work[w].0];
-            let d = d.min(draft.len());
-            seq.tokens.extend_from_slice(&draft[..d]);
-            counts[w] = d;
+            let d = if tree.is_some() {
+                tokens.len()
+            } else {
+                d.min(tokens.len())
+            };
+            seq.tokens.extend_from_slice(&tokens[..d]);
+            drafts.counts[w] = d;
+            drafts.trees[w] = tree.filter(|t| !t.is_empty());
         }
-        counts
+        drafts
     }
 
     /// Draft tokens for this step's decoding sequences, appended to their tokens (and their blocks
     /// reserved); returns the count per work item (0 for prefill and undrafted sequences).
-    fn draft(&mut self, work: &[(usize, usize)]) -> Vec<usize> {
-        let mut counts = vec![0usize; work.len()];
+    fn draft(&mut self, work: &[(usize, usize)]) -> Drafts {
+        let mut drafts = Drafts::none(work.len());
         if !self.policy.enabled() {
-            return counts;
+            return drafts;
         }
         if self.cfg.spec.method == SpecMethod::Eagle3 {
             return self.draft_eagle(work);
@@ -675,10 +805,10 @@ impl<B: Backend> Engine<B> {
             self.sched.running_mut()[i]
                 .tokens
                 .extend_from_slice(&proposals[w][..d]);
-            counts[w] = d;
+            drafts.counts[w] = d;
             budget -= d;
         }
-        counts
+        drafts
     }
 
     fn finish(&mut self, id: SeqId, reason: FinishReason) {

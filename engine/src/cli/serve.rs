@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use kiln::backend::Precision;
+use kiln::backend::TREE_MAX_POSITIONS;
 use kiln::catalog::DEFAULT_MODEL;
 use kiln::lock::DriftPolicy;
 use kiln::server::state::{Canary, LockGuard, ServeOptions};
@@ -114,6 +115,14 @@ pub struct ServeArgs {
     /// Most draft tokens per sequence per step; S+1 positions verified [default: 3].
     #[arg(long)]
     speculative_num_steps: Option<usize>,
+    /// EAGLE-3 tree speculation: candidates kept per draft step (topk > 1 verifies a token tree
+    /// with a tree attention mask; 1 is chain speculation) [default: 1].
+    #[arg(long)]
+    speculative_eagle_topk: Option<usize>,
+    /// EAGLE-3 tree: tokens verified per sequence per step, the current one included (the best
+    /// N-1 tree nodes by draft probability) [default: 1 + min(topk * S, 63); chain: S+1].
+    #[arg(long)]
+    speculative_num_draft_tokens: Option<usize>,
     /// adaptive: each step picks 0..=S draft tokens from measured step costs and acceptance, so
     /// speculation stops where it would lose (large batches); fixed: always S [default: adaptive].
     #[arg(long, value_enum)]
@@ -169,6 +178,10 @@ fn merge(flags: ServeArgs, file: ServeArgs) -> ServeArgs {
             .or(file.speculative_draft_model_path),
         speculative_num_steps: flags.speculative_num_steps.or(file.speculative_num_steps),
         speculative_policy: flags.speculative_policy.or(file.speculative_policy),
+        speculative_eagle_topk: flags.speculative_eagle_topk.or(file.speculative_eagle_topk),
+        speculative_num_draft_tokens: flags
+            .speculative_num_draft_tokens
+            .or(file.speculative_num_draft_tokens),
         speculative_ngram_min: flags.speculative_ngram_min.or(file.speculative_ngram_min),
         speculative_ngram_max: flags.speculative_ngram_max.or(file.speculative_ngram_max),
         cache_dir: flags.cache_dir.or(file.cache_dir),
@@ -234,6 +247,14 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
             defaults.ngram_max,
         )?,
         adaptive: a.speculative_policy.unwrap_or_default() == SpecPolicy::Adaptive,
+        topk: positive("speculative-eagle-topk", a.speculative_eagle_topk, 1)?,
+        num_draft_tokens: 0,
+    };
+    let mut spec = spec;
+    spec.num_draft_tokens = match a.speculative_num_draft_tokens {
+        Some(n) => n,
+        None if spec.topk > 1 => 1 + (spec.topk * spec.num_steps).min(TREE_MAX_POSITIONS - 1),
+        None => spec.num_steps + 1,
     };
     anyhow::ensure!(
         spec.ngram_min <= spec.ngram_max,
@@ -245,6 +266,38 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         spec.num_steps <= 16,
         "--speculative-num-steps must be at most 16"
     );
+    if spec.topk > 1 {
+        anyhow::ensure!(
+            spec.method == SpecMethod::Eagle3,
+            "--speculative-eagle-topk > 1 (tree speculation) needs --speculative-algorithm eagle3"
+        );
+        anyhow::ensure!(
+            (2..=TREE_MAX_POSITIONS).contains(&spec.num_draft_tokens),
+            "--speculative-num-draft-tokens ({}) must be in 2..={TREE_MAX_POSITIONS} for a tree",
+            spec.num_draft_tokens
+        );
+        anyhow::ensure!(
+            spec.topk * (spec.num_steps - 1) <= TREE_MAX_POSITIONS,
+            "--speculative-eagle-topk ({}) x (--speculative-num-steps ({}) - 1) must be at most \
+             {TREE_MAX_POSITIONS}: the draft tree's attention mask covers that many positions",
+            spec.topk,
+            spec.num_steps
+        );
+        anyhow::ensure!(
+            a.tensor_parallel_size.unwrap_or(1) == 1,
+            "--speculative-eagle-topk > 1 (tree speculation) runs with --tensor-parallel-size 1 \
+             only; chain speculation (topk 1) runs with tensor parallelism"
+        );
+    } else if a
+        .speculative_num_draft_tokens
+        .is_some_and(|n| n != spec.num_steps + 1)
+    {
+        anyhow::bail!(
+            "--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({}) for chain \
+             speculation (--speculative-eagle-topk 1)",
+            spec.num_steps + 1
+        );
+    }
     match (spec.method, &a.speculative_draft_model_path) {
         (SpecMethod::Eagle3, None) => anyhow::bail!(
             "--speculative-algorithm eagle3 needs --speculative-draft-model-path (a draft head directory)"
@@ -341,6 +394,8 @@ pub fn effective_table(args: ServeArgs) -> anyhow::Result<toml::Table> {
         }),
         speculative_ngram_min: Some(o.spec.ngram_min),
         speculative_ngram_max: Some(o.spec.ngram_max),
+        speculative_eagle_topk: Some(o.spec.topk),
+        speculative_num_draft_tokens: Some(o.spec.num_draft_tokens),
         ..Default::default()
     };
     toml::Table::try_from(&filled).context("rendering the settings")

@@ -110,6 +110,7 @@ fn peer_main(
                 n_tokens: *n,
                 start_pos: *start,
                 block_table: table,
+                tree: None,
             })
             .collect();
         let batch = ForwardBatch {

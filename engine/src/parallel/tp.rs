@@ -79,6 +79,7 @@ pub fn greedy(path: &Path, opts: TpOptions, prompt: &[u32], max_new: usize) -> R
             n_tokens: n,
             start_pos: start,
             block_table: &table,
+            tree: None,
         }];
         let batch = ForwardBatch {
             tokens: &step_tokens,

@@ -1,4 +1,4 @@
-//! EAGLE-3 chain drafting (topk = 1) for the batching engine.
+//! EAGLE-3 drafting for the batching engine: chains (topk = 1) and trees (topk > 1).
 //!
 //! The draft head keeps its own one-layer KV cache, paged with the target's block tables (same
 //! slots, a separate store), so preemption, trimming and freeing follow the target for free.
@@ -13,12 +13,17 @@
 //!    it, rewriting the draft KV the chained steps wrote speculatively; its last row gives the
 //!    next step's first draft token.
 //!
+//! A tree (`propose_tree`) grows the same way, `topk` frontier nodes per step: each step's
+//! nodes get draft KV slots after the current token's, and a tree mask lets each see only its
+//! ancestors; the extend after verification rewrites the accepted path's slots in place.
+//!
 //! Extend runs every step even when the policy drafts nothing: skipping it would leave holes in
 //! the draft's KV that only the target's hidden states (gone by then) could fill.
 
 use std::collections::HashMap;
 
-use crate::backend::{Backend, SeqSpan};
+use super::tree::{self, Candidate, DraftTree};
+use crate::backend::{Backend, SeqSpan, TreeMask};
 use crate::batching::scheduler::SeqId;
 use crate::error::Result;
 use crate::model::{DraftInput, DraftWorkspace, Eagle3Draft};
@@ -27,11 +32,11 @@ use crate::sampling::argmax;
 /// One sequence's positions confirmed by the target step just run.
 pub struct Confirmed<'a> {
     pub id: SeqId,
-    /// First confirmed position, and how many.
+    /// First confirmed position (the rest follow it).
     pub start: usize,
-    pub count: usize,
-    /// Row of `start` among the step's tokens (the rows of the captured hidden states).
-    pub batch_row: usize,
+    /// Row of each confirmed position among the step's tokens (the rows of the captured hidden
+    /// states): consecutive for a chain, the current token and the accepted nodes for a tree.
+    pub batch_rows: Vec<usize>,
     /// The sequence's tokens, including the one after the last confirmed position.
     pub tokens: &'a [u32],
     pub block_table: &'a [u32],
@@ -50,10 +55,25 @@ pub struct ChainRequest<'a> {
     pub block_table: &'a [u32],
 }
 
+/// One sequence to grow a draft tree for.
+pub struct TreeRequest<'a> {
+    pub id: SeqId,
+    /// Tokens in the sequence now (the last one is the target's next input).
+    pub len: usize,
+    /// Tree depth wanted (>= 1): depth - 1 draft steps.
+    pub depth: usize,
+    /// Nodes kept for verification.
+    pub nodes: usize,
+    /// Covers positions up to `len - 1 + max(nodes, topk * (depth - 1))`.
+    pub block_table: &'a [u32],
+}
+
 /// The first draft token of a sequence and where its hidden state is.
 struct Pending {
     row: usize,
     first: u32,
+    /// Trees: the `topk` best first tokens (target ids) with their draft log-probabilities.
+    top: Vec<(u32, f32)>,
     len: usize,
 }
 
@@ -64,12 +84,21 @@ pub struct EagleDrafter<B: Backend> {
     /// The last extend's output hidden states, a row per sequence in `pending`.
     hidden: B::Buffer,
     pending: HashMap<SeqId, Pending>,
+    /// Candidates per draft step (1: chains).
+    topk: usize,
 }
 
 impl<B: Backend> EagleDrafter<B> {
-    pub fn new(draft: Eagle3Draft<B>, backend: &B, n_blocks: usize, block_size: usize) -> Self {
+    pub fn new(
+        draft: Eagle3Draft<B>,
+        backend: &B,
+        n_blocks: usize,
+        block_size: usize,
+        topk: usize,
+    ) -> Self {
         let kv = backend.kv_store(1, n_blocks, block_size, draft.kv_width());
         EagleDrafter {
+            topk: topk.max(1),
             draft,
             kv,
             ws: DraftWorkspace::new(backend),
@@ -105,22 +134,24 @@ impl<B: Backend> EagleDrafter<B> {
         let mut spans = Vec::new();
         let mut rows = Vec::new();
         let mut owners = Vec::new();
-        for s in seqs.iter().filter(|s| s.count > 0) {
+        for s in seqs.iter().filter(|s| !s.batch_rows.is_empty()) {
             let first = tokens.len();
-            for p in s.start..s.start + s.count {
+            let count = s.batch_rows.len();
+            for p in s.start..s.start + count {
                 tokens.push(s.tokens[p + 1]);
                 positions.push(p);
             }
-            source_rows.extend(s.batch_row..s.batch_row + s.count);
+            source_rows.extend_from_slice(&s.batch_rows);
             spans.push(SeqSpan {
                 first_token: first,
-                n_tokens: s.count,
+                n_tokens: count,
                 start_pos: s.start,
                 block_table: s.block_table,
+                tree: None,
             });
             if s.drafts_next {
                 rows.push(tokens.len() - 1);
-                owners.push((s.id, s.start + s.count + 1));
+                owners.push((s.id, s.start + count + 1));
             }
         }
         if tokens.is_empty() {
@@ -143,10 +174,22 @@ impl<B: Backend> EagleDrafter<B> {
         )?;
         let vocab = self.draft.config.draft_vocab_size;
         for (row, &(id, len)) in owners.iter().enumerate() {
-            let first = self
-                .draft
-                .target_id(argmax(&out.logits[row * vocab..(row + 1) * vocab]) as usize);
-            self.pending.insert(id, Pending { row, first, len });
+            let logits = &out.logits[row * vocab..(row + 1) * vocab];
+            let first = self.draft.target_id(argmax(logits) as usize);
+            let top = if self.topk > 1 {
+                self.top_tokens(logits)
+            } else {
+                Vec::new()
+            };
+            self.pending.insert(
+                id,
+                Pending {
+                    row,
+                    first,
+                    top,
+                    len,
+                },
+            );
         }
         self.hidden = out.hidden;
         Ok(())
@@ -203,6 +246,7 @@ impl<B: Backend> EagleDrafter<B> {
                     n_tokens: 1,
                     start_pos: positions[t],
                     block_table: reqs[i].block_table,
+                    tree: None,
                 })
                 .collect();
             let all: Vec<usize> = (0..active.len()).collect();
@@ -224,5 +268,164 @@ impl<B: Backend> EagleDrafter<B> {
             hidden = out.hidden;
         }
         Ok(drafts)
+    }
+
+    /// The `topk` best draft tokens of a logits row, as target ids with log-probabilities.
+    fn top_tokens(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        let mut lp = logits.to_vec();
+        tree::log_softmax(&mut lp);
+        tree::top_k(&lp, self.topk)
+            .into_iter()
+            .map(|(i, l)| (self.draft.target_id(i), l))
+            .collect()
+    }
+
+    /// A draft tree for each request (all must be `ready`): the extend's `topk` best first
+    /// tokens, then `depth - 1` draft steps, each expanding the `topk` best frontier nodes of
+    /// every request in one batch; the best `nodes` candidates are kept.
+    pub fn propose_tree(
+        &mut self,
+        backend: &B,
+        target_embed: &B::Matrix,
+        reqs: &[TreeRequest<'_>],
+    ) -> Result<Vec<DraftTree>> {
+        let k = self.topk;
+        let vocab = self.draft.config.draft_vocab_size;
+        let mut cands: Vec<Vec<Candidate>> = Vec::with_capacity(reqs.len());
+        // Per request: frontier candidates, and each one's row in `hidden` (its input state).
+        let mut frontier: Vec<Vec<(usize, usize)>> = Vec::with_capacity(reqs.len());
+        // Per request: the draft KV slot (relative to the current token's) of each candidate
+        // already run through the draft, and the next free one.
+        let mut slot_of: Vec<Vec<Option<usize>>> = Vec::with_capacity(reqs.len());
+        let mut next_slot = vec![0usize; reqs.len()];
+        let mut rows = Vec::new();
+        for r in reqs {
+            let (c, f) = match self.pending.get(&r.id) {
+                Some(p) => {
+                    let c: Vec<Candidate> = p
+                        .top
+                        .iter()
+                        .map(|&(token, score)| Candidate {
+                            token,
+                            parent: None,
+                            score,
+                            depth: 1,
+                        })
+                        .collect();
+                    let f = (0..c.len()).map(|i| (i, rows.len())).collect();
+                    rows.push(p.row);
+                    (c, f)
+                }
+                None => (Vec::new(), Vec::new()),
+            };
+            slot_of.push(vec![None; c.len()]);
+            cands.push(c);
+            frontier.push(f);
+        }
+        let mut hidden = backend.gather_rows(&self.hidden, &rows);
+        for d in 1.. {
+            // Frontier nodes at depth d of requests wanting depth > d run through the draft.
+            let mut tokens = Vec::new();
+            let mut positions = Vec::new();
+            let mut input_rows = Vec::new();
+            let mut masks: Vec<Vec<u64>> = Vec::new();
+            // (request, candidate) of each batch row.
+            let mut owner = Vec::new();
+            let mut span_of = Vec::new();
+            for (ri, r) in reqs.iter().enumerate() {
+                if r.depth <= d || frontier[ri].is_empty() {
+                    continue;
+                }
+                let mut mask = Vec::new();
+                for &(c, h) in &frontier[ri] {
+                    let slot = next_slot[ri];
+                    next_slot[ri] += 1;
+                    slot_of[ri][c] = Some(slot);
+                    let mut bits = 1u64 << slot;
+                    let mut up = cands[ri][c].parent;
+                    while let Some(p) = up {
+                        if let Some(s) = slot_of[ri][p] {
+                            bits |= 1u64 << s;
+                        }
+                        up = cands[ri][p].parent;
+                    }
+                    mask.push(bits);
+                    tokens.push(cands[ri][c].token);
+                    // Depth-d nodes sit at position len - 1 + d; the draft step feeding one runs
+                    // at the position before (as in a chain).
+                    positions.push(r.len - 2 + d);
+                    input_rows.push(h);
+                    owner.push((ri, c));
+                }
+                span_of.push((
+                    ri,
+                    tokens.len() - mask.len(),
+                    mask.len(),
+                    next_slot[ri] - mask.len(),
+                ));
+                masks.push(mask);
+            }
+            if tokens.is_empty() {
+                break;
+            }
+            let spans: Vec<SeqSpan> = span_of
+                .iter()
+                .zip(&masks)
+                .map(|(&(ri, first, n, slot0), mask)| SeqSpan {
+                    first_token: first,
+                    n_tokens: n,
+                    start_pos: reqs[ri].len - 1 + slot0,
+                    block_table: reqs[ri].block_table,
+                    tree: Some(TreeMask {
+                        base: reqs[ri].len - 1,
+                        rows: mask,
+                    }),
+                })
+                .collect();
+            let input = backend.gather_rows(&hidden, &input_rows);
+            let all: Vec<usize> = (0..tokens.len()).collect();
+            let out = self.draft.forward(
+                backend,
+                target_embed,
+                &mut self.kv,
+                &tokens,
+                &positions,
+                &spans,
+                DraftInput::Own(&input),
+                &all,
+                &mut self.ws,
+            )?;
+            drop(spans);
+            // Children of every expanded node; the best `topk` of each request form its frontier.
+            let mut children: Vec<Vec<(usize, usize)>> = vec![Vec::new(); reqs.len()];
+            for (t, &(ri, c)) in owner.iter().enumerate() {
+                let parent = cands[ri][c];
+                for (token, lp) in self.top_tokens(&out.logits[t * vocab..(t + 1) * vocab]) {
+                    cands[ri].push(Candidate {
+                        token,
+                        parent: Some(c),
+                        score: parent.score + lp,
+                        depth: d + 1,
+                    });
+                    slot_of[ri].push(None);
+                    children[ri].push((cands[ri].len() - 1, t));
+                }
+            }
+            for (ri, mut ch) in children.into_iter().enumerate() {
+                if ch.is_empty() {
+                    frontier[ri].clear();
+                    continue;
+                }
+                ch.sort_by(|a, b| cands[ri][b.0].score.total_cmp(&cands[ri][a.0].score));
+                ch.truncate(k);
+                frontier[ri] = ch;
+            }
+            hidden = out.hidden;
+        }
+        Ok(reqs
+            .iter()
+            .zip(&cands)
+            .map(|(r, c)| DraftTree::select(c, r.nodes))
+            .collect())
     }
 }

@@ -7,7 +7,8 @@
 //! where α_m is the measured probability that draft position m is accepted once m-1 were, and
 //! `cost` is the measured step time as a function of the tokens in the step (a table of moving
 //! averages, seeded by a calibration at start). EAGLE-3 adds K-1 chained draft steps to time(K)
-//! (measured per batch size); its draft-extend runs whatever K is, so it does not enter the
+//! (measured per batch size; a tree's steps expand topk nodes per sequence, and it verifies
+//! its best N-1 nodes rather than K tokens); its draft-extend runs whatever K is, so it does not enter the
 //! choice — it is the price of keeping the draft ready, paid at K = 0 too. On the CPU a single sequence's step is bound by
 //! reading the weights, so verifying a few extra tokens is nearly free and K grows; a large batch is
 //! compute-bound, every draft token costs as much as a real one, and K falls to 0 (plain decode,
@@ -67,6 +68,10 @@ pub struct SpecConfig {
     pub ngram_max: usize,
     /// Pick K per step from measured costs (`true`) or always verify every proposed token.
     pub adaptive: bool,
+    /// EAGLE-3 candidates per draft step: 1 is a chain, more a tree.
+    pub topk: usize,
+    /// Tree: tokens verified per sequence per step, the current one included.
+    pub num_draft_tokens: usize,
 }
 
 impl Default for SpecConfig {
@@ -77,6 +82,8 @@ impl Default for SpecConfig {
             ngram_min: 1,
             ngram_max: 3,
             adaptive: true,
+            topk: 1,
+            num_draft_tokens: 4,
         }
     }
 }
@@ -220,7 +227,17 @@ impl Policy {
         (a + PRIOR_ACCEPTED) / (n + PRIOR_TRIED)
     }
 
-    /// K for this step. `other_tokens`: tokens in the step that sample nothing new (prefill
+    /// Draft tokens verified for a draft of depth `depth`: the chain itself, or a tree's best
+    /// N-1 nodes among the candidates that depth grows (`topk` per frontier node, `topk` kept).
+    pub fn verified_tokens(&self, depth: usize) -> usize {
+        let k = self.cfg.topk;
+        if k <= 1 || depth == 0 {
+            return depth;
+        }
+        (k + (depth - 1) * k * k).min(self.cfg.num_draft_tokens.saturating_sub(1))
+    }
+
+    /// K for this step (a tree's depth with topk > 1). `other_tokens`: tokens in the step that sample nothing new (prefill
     /// chunks); `drafts`: the proposal length of each decoding sequence (0 when it has none).
     pub fn choose_k(&self, other_tokens: usize, drafts: &[usize]) -> usize {
         let s = self.cfg.num_steps;
@@ -244,14 +261,14 @@ impl Policy {
             let mut yield_ = 0.0;
             for &d in drafts {
                 let used = d.min(k);
-                tokens += 1 + used;
+                tokens += 1 + self.verified_tokens(used);
                 yield_ += 1.0 + reach[1..=used].iter().sum::<f64>();
             }
             let Some(mut t) = self.cost(tokens) else {
                 return 0;
             };
             if self.cfg.method == SpecMethod::Eagle3 && k > 1 {
-                t += (k - 1) as f64 * self.chain_cost(drafting);
+                t += (k - 1) as f64 * self.chain_cost(drafting * self.cfg.topk);
             }
             let rate = yield_ / t.max(1e-9);
             if k == s || rate > best.1 * 1.01 {

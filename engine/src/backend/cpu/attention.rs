@@ -44,6 +44,24 @@ impl CpuKvStore {
             kt[c * bs + i] = x;
         }
     }
+
+    /// For each `(from, to)` in order, every layer's position `to` gets position `from`'s K and V.
+    pub fn move_positions(&mut self, table: &[u32], moves: &[(usize, usize)]) {
+        let (bs, w) = (self.block_size, self.kv_width);
+        let slot = |pos: usize| (table[pos / bs] as usize, pos % bs);
+        for &(from, to) in moves.iter().filter(|(f, t)| f != t) {
+            let ((pf, i_f), (pt, i_t)) = (slot(from), slot(to));
+            for (kc, vc) in self.layers.iter_mut() {
+                vc.copy_within(
+                    (pf * bs + i_f) * w..(pf * bs + i_f + 1) * w,
+                    (pt * bs + i_t) * w,
+                );
+                for c in 0..w {
+                    kc[pt * bs * w + c * bs + i_t] = kc[pf * bs * w + c * bs + i_f];
+                }
+            }
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -111,6 +129,7 @@ pub fn attention(
             group,
             n_ctx: s.start_pos + (t - s.first_token) + 1,
             scale,
+            mask: s.tree.map(|m| (m.base, m.rows[t - s.first_token])),
         };
         // SAFETY: each task owns the disjoint `group * head_dim` outputs of (t, kvh).
         let o = unsafe {
@@ -120,6 +139,13 @@ pub fn attention(
             )
         };
         SCORES.with_borrow_mut(|scores| {
+            #[cfg(target_arch = "x86_64")]
+            if use_avx512 && job.mask.is_some() {
+                // Tree tokens are few: the general kernel applies the mask.
+                // SAFETY: as below.
+                unsafe { attend_avx512(&job, scores, o) };
+                return;
+            }
             #[cfg(target_arch = "x86_64")]
             if use_avx512 {
                 // SAFETY: as below; this level implies AVX-512 F and VL.
@@ -154,6 +180,8 @@ pub(super) struct Job<'a> {
     pub group: usize,
     pub n_ctx: usize,
     pub scale: f32,
+    /// Tree speculation: `(base, bits)` — position `base + j` is visible only if bit `j` is set.
+    pub mask: Option<(usize, u64)>,
 }
 
 /// The cache rows of positions `0..n_ctx`, block by block: `(first position, physical block, rows)`.
@@ -238,6 +266,15 @@ fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
                     acc += qe * kt[e * bs + i];
                 }
                 *s = acc * j.scale;
+            }
+        }
+    }
+    if let Some((base, bits)) = j.mask {
+        for p in base..n {
+            if bits.checked_shr((p - base) as u32).unwrap_or(0) & 1 == 0 {
+                for g in 0..j.group {
+                    scores[g * n + p] = f32::NEG_INFINITY;
+                }
             }
         }
     }

@@ -256,6 +256,10 @@ impl Backend for CpuBackend {
         );
     }
 
+    fn move_kv(&self, kv: &mut CpuKvStore, block_table: &[u32], moves: &[(usize, usize)]) {
+        kv.move_positions(block_table, moves);
+    }
+
     fn silu_mul(&self, gu: &CpuBuffer, out: &mut CpuBuffer) {
         let h = gu.cols / 2;
         out.resize(gu.rows, h);
