@@ -15,6 +15,9 @@ LOADGEN=${LOADGEN:-../shared/tools/loadgen.py}
 LEVELS=${LEVELS:-1,4,16}
 TOKENS=${TOKENS:-200}
 ENDPOINT=${ENDPOINT:-completions}   # or chat (the chat template, as the EAGLE-3 head was trained)
+# EOS=stop ends each completion at the model's end of turn (what users see); the default runs all
+# TOKENS past it, where a small model loops (prompt lookup's best case, a trained draft's worst).
+eos_flag=(); [ "${EOS:-ignore}" = stop ] && eos_flag=(--no-ignore-eos)
 OUT=${OUT:-target/spec-bench}
 mkdir -p "$OUT"
 cargo build --release --quiet
@@ -27,7 +30,7 @@ bench() { # label, then kiln serve flags
   local pid=$!
   wait_ready http://127.0.0.1:$port/ready
   python3 "$LOADGEN" --url http://127.0.0.1:$port --model m --concurrency "$LEVELS" \
-    --max-tokens "$TOKENS" --endpoint "$ENDPOINT" --out "$OUT/$label.json" --label "$label"
+    --max-tokens "$TOKENS" --endpoint "$ENDPOINT" "${eos_flag[@]}" --out "$OUT/$label.json" --label "$label"
   curl -s http://127.0.0.1:$port/metrics | awk -v l="$label" '
     /^kiln_spec_draft_tokens_total/ {d=$NF} /^kiln_spec_accepted_tokens_total/ {a=$NF}
     /^kiln_spec_accept_length_sum/ {s+=$NF} /^kiln_spec_accept_length_count/ {c+=$NF}
@@ -53,7 +56,7 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
     local pid=$!
     wait_ready http://127.0.0.1:$port/health
     python3 "$LOADGEN" --url http://127.0.0.1:$port --model m --concurrency "$LEVELS" \
-      --max-tokens "$TOKENS" --endpoint "$ENDPOINT" --out "$OUT/$label.json" --label "$label"
+      --max-tokens "$TOKENS" --endpoint "$ENDPOINT" "${eos_flag[@]}" --out "$OUT/$label.json" --label "$label"
     kill $pid; wait $pid || true
   }
   peer llama-server

@@ -202,6 +202,31 @@ fn speculators_layout_matches_the_reference_for_extend_and_chained_steps() {
 }
 
 #[test]
+fn fast_mode_draft_with_8_bit_weights_stays_close_to_the_reference() {
+    // Fast mode stores a float draft head's matrices as 8-bit blocks (a quarter of the bytes per
+    // draft step); only acceptance can move, so a loose bound suffices — but it must hold.
+    let case = common::fixture("tiny/eagle3.json");
+    let m = load_target();
+    let dir = common::tiny_fixture_dir("eagle3-speculators");
+    let draft = Eagle3Draft::load(&m.backend, &dir, m.config(), Precision::Fast).expect("draft");
+    let prompt: Vec<u32> = ids(&case, "prompt_ids").iter().map(|&i| i as u32).collect();
+    let run = run_draft(
+        &m,
+        &draft,
+        &prompt,
+        case["next_id"].as_u64().expect("id") as u32,
+    );
+    let e0 = rel_err(&run.step0, &floats(&case, "step0_logits"));
+    let e1 = rel_err(&run.step1, &floats(&case, "step1_logits"));
+    eprintln!("fast-mode draft: step 0 rel err {e0:.2e}, chained step {e1:.2e}");
+    assert!(e0 > 0.0, "8-bit weights should not be bit-exact");
+    assert!(
+        e0 < 3e-2 && e1 < 3e-2,
+        "fast-mode draft drifted: {e0}, {e1}"
+    );
+}
+
+#[test]
 fn sglang_layout_reads_shifted_layer_ids_and_the_targets_embeddings() {
     let case = common::fixture("tiny/eagle3.json");
     let m = load_target();

@@ -88,6 +88,12 @@ pub trait Backend: Send + Sync {
     /// Prepares one matrix from one or more stored tensors stacked by rows (e.g. Q, K and V projections
     /// fused into one matrix, so one matmul computes all three).
     fn matrix(&self, parts: &[TensorView], precision: Precision) -> Result<Self::Matrix>;
+    /// A matrix for a draft model: as `matrix` in `precision`, except that in fast mode float
+    /// weights may be stored at lower precision (8-bit blocks on the CPU), since a draft's
+    /// precision moves only its acceptance, never the verified output.
+    fn draft_matrix(&self, parts: &[TensorView], precision: Precision) -> Result<Self::Matrix> {
+        self.matrix(parts, precision)
+    }
     fn vector(&self, v: &TensorView) -> Result<Self::Vector>;
     fn vector_from_host(&self, values: &[f32]) -> Result<Self::Vector>;
     /// A buffer of `n_rows * width` zeros.

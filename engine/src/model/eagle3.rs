@@ -301,7 +301,7 @@ impl<B: Backend> Eagle3Draft<B> {
         }
         let th = target.hidden_size;
         let fc = (0..n_aux)
-            .map(|i| backend.matrix(&[fc.slice(0..h, i * th..(i + 1) * th)?], precision))
+            .map(|i| backend.draft_matrix(&[fc.slice(0..h, i * th..(i + 1) * th)?], precision))
             .collect::<Result<Vec<_>>>()?;
         let embed = if hf.has_tensor("embed_tokens.weight") {
             let v = get("embed_tokens.weight", &[c.vocab_size, h])?;
@@ -314,7 +314,7 @@ impl<B: Backend> Eagle3Draft<B> {
         let k = get(&l("self_attn.k_proj.weight"), &[kvw, 2 * h])?;
         let v = get(&l("self_attn.v_proj.weight"), &[kvw, 2 * h])?;
         let half = |cols: std::ops::Range<usize>| -> Result<B::Matrix> {
-            backend.matrix(
+            backend.draft_matrix(
                 &[
                     q.slice(0..qw, cols.clone())?,
                     k.slice(0..kvw, cols.clone())?,
@@ -366,18 +366,19 @@ impl<B: Backend> Eagle3Draft<B> {
             hidden_norm: backend.vector(&get(&l("hidden_norm.weight"), &[h])?)?,
             qkv_embed: half(0..h)?,
             qkv_hidden: half(h..2 * h)?,
-            o: backend.matrix(&[get(&l("self_attn.o_proj.weight"), &[h, qw])?], precision)?,
+            o: backend.draft_matrix(&[get(&l("self_attn.o_proj.weight"), &[h, qw])?], precision)?,
             post_norm: backend.vector(&get(&l("post_attention_layernorm.weight"), &[h])?)?,
-            gate_up: backend.matrix(
+            gate_up: backend.draft_matrix(
                 &[
                     get(&l("mlp.gate_proj.weight"), &[inter, h])?,
                     get(&l("mlp.up_proj.weight"), &[inter, h])?,
                 ],
                 precision,
             )?,
-            down: backend.matrix(&[get(&l("mlp.down_proj.weight"), &[h, inter])?], precision)?,
+            down: backend
+                .draft_matrix(&[get(&l("mlp.down_proj.weight"), &[h, inter])?], precision)?,
             norm: backend.vector(&get("norm.weight", &[h])?)?,
-            lm_head: backend.matrix(&[get("lm_head.weight", &[dv, h])?], precision)?,
+            lm_head: backend.draft_matrix(&[get("lm_head.weight", &[dv, h])?], precision)?,
             draft_to_target,
             rope: rope_spec(c, None)?,
             config: Eagle3Config {

@@ -210,4 +210,88 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-5);
         assert_eq!(top_k(&l, 9).len(), 5);
     }
+
+    /// A target over 4 tokens whose next-token logits depend on the previous token.
+    const TABLE: [[f32; 4]; 4] = [
+        [1.0, 2.0, 0.5, 1.5],
+        [0.2, 1.0, 2.0, 1.0],
+        [2.0, 0.1, 1.0, 1.2],
+        [1.0, 1.0, 1.0, 0.0],
+    ];
+    /// The chi-square critical value for 15 degrees of freedom at p = 0.001.
+    const CHI2_DF15_P001: f64 = 37.697;
+    const SAMPLES: usize = 40_000;
+
+    fn probs(prev: u32) -> [f64; 4] {
+        let e = TABLE[prev as usize].map(|x| (x as f64).exp());
+        let z: f64 = e.iter().sum();
+        e.map(|v| v / z)
+    }
+
+    /// Histogram of the first two tokens emitted after token 1 by `walk` (one verification
+    /// step through `tree`, then plain sampling if it emitted only one), against their exact
+    /// joint probabilities: the chi-square statistic.
+    fn two_token_chi_square(
+        tree: &DraftTree,
+        mut walk: impl FnMut(&mut crate::sampling::Sampler, Option<usize>) -> u32,
+    ) -> f64 {
+        use crate::sampling::{Sampler, SamplingParams};
+        let current = 1u32;
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(5),
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(params, &[]);
+        let mut counts = [0u32; 16];
+        for _ in 0..SAMPLES {
+            let mut emitted = Vec::new();
+            tree.accepted_path(|at| {
+                let t = walk(&mut s, at);
+                emitted.push(t);
+                Some(t)
+            });
+            while emitted.len() < 2 {
+                let prev = emitted[emitted.len() - 1] as usize;
+                emitted.push(s.sample(&mut TABLE[prev].to_vec()).token);
+            }
+            counts[emitted[0] as usize * 4 + emitted[1] as usize] += 1;
+        }
+        let first = probs(current);
+        (0..16)
+            .map(|i| {
+                let e = first[i / 4] * probs((i / 4) as u32)[i % 4] * SAMPLES as f64;
+                (counts[i] as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    #[test]
+    fn sampling_along_a_tree_keeps_the_target_distribution_and_a_biased_walk_fails() {
+        // Root children 0 and 2; under 0: 1 and 3; under 2: 0.
+        let tree = DraftTree {
+            tokens: vec![0, 2, 1, 3, 0],
+            parents: vec![None, None, Some(0), Some(0), Some(1)],
+        };
+        let prev_of = |at: Option<usize>| at.map_or(1, |n| tree.tokens[n]);
+        // The engine's walk: sample the target at each node reached, follow a matching child.
+        let chi = two_token_chi_square(&tree, |s, at| {
+            s.sample(&mut TABLE[prev_of(at) as usize].to_vec()).token
+        });
+        assert!(chi < CHI2_DF15_P001, "tree sampling: chi-square {chi:.1}");
+        // A walk that takes a likely-enough draft child without sampling skews the output.
+        let chi = two_token_chi_square(&tree, |s, at| {
+            let p = probs(prev_of(at));
+            let child = (0..tree.len())
+                .find(|&c| tree.parents[c] == at && p[tree.tokens[c] as usize] > 0.3);
+            match child {
+                Some(c) => tree.tokens[c],
+                None => s.sample(&mut TABLE[prev_of(at) as usize].to_vec()).token,
+            }
+        });
+        assert!(
+            chi > CHI2_DF15_P001,
+            "the biased walk passed (chi-square {chi:.1})"
+        );
+    }
 }

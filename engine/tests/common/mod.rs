@@ -50,7 +50,11 @@ pub fn tiny_fixture_dir(name: &str) -> PathBuf {
 /// A copy of a tiny model directory with a tokenizer.json (the tiny models have none; any
 /// byte-level tokenizer serves, the tests feed token ids).
 pub fn tiny_with_tokenizer(name: &str) -> PathBuf {
-    let dst = std::env::temp_dir().join(format!("kiln-tiny-{}-{name}", std::process::id()));
+    // One directory per call: tests run in parallel threads, and one rewriting a file another
+    // is reading would hand it a half-written tokenizer.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dst = std::env::temp_dir().join(format!("kiln-tiny-{}-{call}-{name}", std::process::id()));
     std::fs::create_dir_all(&dst).expect("temp dir");
     for e in std::fs::read_dir(tiny_fixture_dir(name))
         .expect("fixture dir")

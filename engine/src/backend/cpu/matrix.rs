@@ -135,6 +135,23 @@ fn prepare_part(v: &TensorView, precision: Precision) -> Result<Part> {
     Ok(Part { rows, data })
 }
 
+/// Row-major values (a whole number of 32-value blocks per row) as Q8_0 blocks: scale
+/// `max |x| / 127`, values rounded to the nearest level.
+fn quantize_q8_0(values: &[f32]) -> Vec<BlockQ8_0> {
+    values
+        .chunks_exact(QBLOCK)
+        .map(|b| {
+            let amax = b.iter().fold(0f32, |m, &x| m.max(x.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            BlockQ8_0 {
+                d: f32_to_f16(d),
+                qs: std::array::from_fn(|j| (b[j] * inv).round().clamp(-127.0, 127.0) as i8),
+            }
+        })
+        .collect()
+}
+
 /// Q4_K super-blocks (8 sub-blocks of 32 with 6-bit scales and mins) as eight Q4_1 blocks. The sub-block
 /// scale `d * sc` is rounded to f16, a relative error below 5e-4 — fast mode only.
 fn repack_q4_k(bytes: &[u8]) -> Vec<BlockQ4_1> {
@@ -188,6 +205,33 @@ fn repack_q6_k(bytes: &[u8]) -> Vec<BlockQ8x16> {
 
 impl CpuMatrix {
     pub fn prepare(parts: &[TensorView], precision: Precision) -> Result<CpuMatrix> {
+        Self::prepare_with(parts, |v| prepare_part(v, precision))
+    }
+
+    /// Like fast mode, but float weights (f32 / f16 / bf16) are quantized to 8-bit blocks
+    /// (Q8_0: one f16 scale per 32 values) so they stream at a quarter of the bytes — for a
+    /// draft head, whose precision only moves acceptance, never the output.
+    pub fn prepare_compact(parts: &[TensorView]) -> Result<CpuMatrix> {
+        Self::prepare_with(parts, |v| {
+            let (rows, cols) = v.matrix_shape()?;
+            let float = matches!(v.dtype, DType::F32 | DType::F16 | DType::BF16);
+            if !float || !cols.is_multiple_of(QBLOCK) {
+                return prepare_part(v, Precision::Fast);
+            }
+            let data = Rows::Q8_0(quantize_q8_0(&v.to_f32()));
+            let data = if rows % 8 == 0 {
+                interleave(data, rows, cols / QBLOCK)
+            } else {
+                data
+            };
+            Ok(Part { rows, data })
+        })
+    }
+
+    fn prepare_with(
+        parts: &[TensorView],
+        prepare_part: impl Fn(&TensorView) -> Result<Part>,
+    ) -> Result<CpuMatrix> {
         let first = parts
             .first()
             .ok_or_else(|| Error::InvalidRequest("a matrix needs at least one tensor".into()))?;
@@ -202,7 +246,7 @@ impl CpuMatrix {
                     format!("row length {c} differs from `{}` ({cols})", first.name),
                 ));
             }
-            let p = prepare_part(v, precision)?;
+            let p = prepare_part(v)?;
             // Stack onto the previous part when both use the same format.
             match (prepared.last_mut(), p) {
                 (Some(last), p) if same_format(&last.data, &p.data) => {

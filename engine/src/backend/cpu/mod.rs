@@ -94,6 +94,13 @@ impl Backend for CpuBackend {
         CpuMatrix::prepare(parts, precision)
     }
 
+    fn draft_matrix(&self, parts: &[TensorView], precision: Precision) -> Result<CpuMatrix> {
+        match precision {
+            Precision::Fast => CpuMatrix::prepare_compact(parts),
+            Precision::Exact => CpuMatrix::prepare(parts, precision),
+        }
+    }
+
     fn vector(&self, v: &TensorView) -> Result<Vec<f32>> {
         Ok(v.to_f32())
     }
