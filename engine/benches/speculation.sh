@@ -26,6 +26,7 @@ wait_ready() { for _ in $(seq 600); do curl -sf "$1" >/dev/null && return 0; sle
 port=18290
 bench() { # label, then kiln serve flags
   local label=$1; shift; port=$((port + 1))
+  [[ -n "${ROWS:-}" && ! "$label" =~ ^($ROWS) ]] && return 0   # ROWS='baseline|eagle3': a subset
   ./target/release/kiln serve --model "$MODEL" --port $port --served-model-name m "$@" >/dev/null 2>&1 &
   local pid=$!
   wait_ready http://127.0.0.1:$port/ready
