@@ -61,6 +61,8 @@ pub struct Metrics {
     pub spec_accept_length: Family<BatchLabels, Histogram>,
     /// K chosen per step, by batch-size bucket.
     pub spec_chosen_k: Family<BatchLabels, Histogram>,
+    /// 1 while the adaptive policy has parked the EAGLE-3 draft (drafting did not pay).
+    pub spec_draft_parked: Gauge,
     pub requests: Family<RequestLabels, Counter>,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
@@ -101,6 +103,7 @@ impl Metrics {
             spec_accepted_per_position: Family::default(),
             spec_accept_length: Family::new_with_constructor(small),
             spec_chosen_k: Family::new_with_constructor(small),
+            spec_draft_parked: Gauge::default(),
             requests: Family::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
@@ -229,6 +232,11 @@ impl Metrics {
             "spec_chosen_k",
             "Draft tokens per sequence chosen for a step, by batch size",
             m.spec_chosen_k.clone(),
+        );
+        r.register(
+            "spec_draft_parked",
+            "1 while the adaptive policy has parked the EAGLE-3 draft because drafting did not pay",
+            m.spec_draft_parked.clone(),
         );
         Metrics { registry: r, ..m }
     }

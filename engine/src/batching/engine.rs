@@ -85,6 +85,8 @@ struct Live {
     arrival: Instant,
     last_token: Option<Instant>,
     generated: usize,
+    /// EAGLE-3: the draft has extended every position of this sequence so far (it may draft).
+    draft_whole: bool,
 }
 
 pub struct Engine<B: Backend> {
@@ -102,6 +104,8 @@ pub struct Engine<B: Backend> {
     policy: Policy,
     /// The EAGLE-3 draft head and its state (`--speculative-algorithm eagle3`).
     eagle: Option<EagleDrafter<B>>,
+    /// This step runs without the draft (the policy parked it: drafting did not pay).
+    draft_parked: bool,
 }
 
 /// One scheduled sequence of a step: its running index, tokens fed, and where its logits are.
@@ -260,6 +264,7 @@ impl<B: Backend> Engine<B> {
         metrics.kv_blocks_total.set(n_blocks as i64);
         let mut engine = Engine {
             policy: Policy::new(cfg.spec),
+            draft_parked: false,
             model,
             cfg,
             kv,
@@ -361,6 +366,7 @@ impl<B: Backend> Engine<B> {
                 arrival: req.arrival,
                 last_token: None,
                 generated: 0,
+                draft_whole: false,
             },
         );
         self.sched.add(SeqState::new(id, req.prompt));
@@ -376,6 +382,10 @@ impl<B: Backend> Engine<B> {
         if plan.work.is_empty() {
             return;
         }
+        self.draft_parked = self.eagle.is_some() && self.policy.draft_parked(plan.work.len());
+        self.metrics
+            .spec_draft_parked
+            .set(i64::from(self.draft_parked));
         let Drafts { counts, trees } = self.draft(&plan.work);
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
@@ -592,9 +602,19 @@ impl<B: Backend> Engine<B> {
             return;
         };
         let running = self.sched.running();
+        let parked = self.draft_parked;
         let seqs: Vec<Confirmed> = fed
             .iter()
             .zip(confirmed_rows)
+            .filter(|(f, _)| {
+                // Only a sequence whose every position went through the draft may draft: one
+                // that starts now, or one that has been whole since it started; none while parked.
+                let s = &running[f.index];
+                self.live.get_mut(&s.id).is_some_and(|live| {
+                    live.draft_whole = !parked && (f.start == 0 || live.draft_whole);
+                    live.draft_whole
+                })
+            })
             .map(|(f, rows)| {
                 let s = &running[f.index];
                 let count = s.computed.saturating_sub(f.start);
@@ -617,7 +637,10 @@ impl<B: Backend> Engine<B> {
             // Drafting is an optimisation: the requests go on without drafts.
             tracing::error!("EAGLE-3 draft extend failed: {e}");
         }
-        self.policy.record_extend(t.elapsed().as_secs_f64());
+        if !seqs.is_empty() {
+            // A parked step's empty extend is not what keeping the draft costs.
+            self.policy.record_extend(t.elapsed().as_secs_f64());
+        }
     }
 
     /// EAGLE-3 proposals: K for the batch from the policy, then the chained draft steps (a
@@ -760,7 +783,7 @@ impl<B: Backend> Engine<B> {
     /// reserved); returns the count per work item (0 for prefill and undrafted sequences).
     fn draft(&mut self, work: &[(usize, usize)]) -> Drafts {
         let mut drafts = Drafts::none(work.len());
-        if !self.policy.enabled() {
+        if !self.policy.enabled() || self.draft_parked {
             return drafts;
         }
         if self.cfg.spec.method == SpecMethod::Eagle3 {

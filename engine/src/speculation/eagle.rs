@@ -18,7 +18,9 @@
 //! ancestors; the extend after verification rewrites the accepted path's slots in place.
 //!
 //! Extend runs every step even when the policy drafts nothing: skipping it would leave holes in
-//! the draft's KV that only the target's hidden states (gone by then) could fill.
+//! the draft's KV that only the target's hidden states (gone by then) could fill. Only when the
+//! adaptive policy parks the draft (drafting does not pay) is it skipped; the sequences running
+//! then never draft again, and those admitted after the park draft again.
 
 use std::collections::HashMap;
 

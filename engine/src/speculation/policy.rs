@@ -13,6 +13,14 @@
 //! reading the weights, so verifying a few extra tokens is nearly free and K grows; a large batch is
 //! compute-bound, every draft token costs as much as a real one, and K falls to 0 (plain decode,
 //! which costs nothing extra for n-gram drafts: there is no draft state to catch up).
+//!
+//! An EAGLE-3 draft at K = 0 still costs its extend every step (about 7% of a step on the default
+//! model). When drafting has not paid for `PARK_AFTER` straight steps — the best K's rate, extend
+//! included, below plain decoding's without it — the draft is *parked*: no extend, no drafts, the
+//! engine runs exactly the baseline. After a park of `PARK_MIN` steps (doubling after each probe
+//! that fails, up to `PARK_MAX`), or as soon as the batch halves, the acceptance estimate goes
+//! back to its prior and the draft probes again on the sequences admitted from then on (the
+//! others' draft KV has holes).
 
 /// Which drafter proposes tokens.
 #[derive(
@@ -97,6 +105,22 @@ const ACCEPT_DECAY: f64 = 0.995;
 /// Prior of the acceptance estimate: `PRIOR_ACCEPTED` of `PRIOR_TRIED` draft tokens.
 const PRIOR_ACCEPTED: f64 = 1.0;
 const PRIOR_TRIED: f64 = 2.0;
+/// Straight steps in which drafting does not pay before an EAGLE-3 draft is parked.
+const PARK_AFTER: usize = 64;
+/// Steps of the first park; each park after a failed probe doubles it, up to `PARK_MAX`.
+const PARK_MIN: usize = 1024;
+const PARK_MAX: usize = 32768;
+
+/// The EAGLE-3 draft's parking (see the module comment).
+#[derive(Clone, Copy, Debug)]
+struct Parking {
+    /// Steps in a row whose best choice did not pay.
+    losing: usize,
+    /// Length of the next park.
+    next_len: usize,
+    /// The park under way: steps left and the batch it began with.
+    park: Option<(usize, usize)>,
+}
 
 pub struct Policy {
     pub cfg: SpecConfig,
@@ -108,6 +132,7 @@ pub struct Policy {
     chain: [Option<f64>; BUCKETS.len()],
     /// EAGLE-3: moving-average seconds of the draft-extend after each step.
     pub extend_secs: Option<f64>,
+    parking: Parking,
 }
 
 impl Policy {
@@ -118,6 +143,52 @@ impl Policy {
             cost: [None; BUCKETS.len()],
             chain: [None; BUCKETS.len()],
             extend_secs: None,
+            parking: Parking {
+                losing: 0,
+                next_len: PARK_MIN,
+                park: None,
+            },
+        }
+    }
+
+    /// Whether an EAGLE-3 draft can be parked: only when K is chosen, and there is an extend to save.
+    fn parks(&self) -> bool {
+        self.cfg.method == SpecMethod::Eagle3 && self.cfg.adaptive
+    }
+
+    /// Once per engine step, with the sequences in it: whether the draft is parked this step.
+    /// Ends a park whose time is up or whose batch has halved (the costs it was judged on are gone).
+    pub fn draft_parked(&mut self, batch: usize) -> bool {
+        let Some((left, parked_batch)) = self.parking.park else {
+            return false;
+        };
+        if left <= 1 || (parked_batch >= 2 && 2 * batch <= parked_batch) {
+            self.parking.park = None;
+            self.parking.losing = 0;
+            // A fresh estimate, so the probe drafts if the prior says drafting could pay.
+            self.accept.iter_mut().for_each(|c| *c = (0.0, 0.0));
+            return false;
+        }
+        self.parking.park = Some((left - 1, parked_batch));
+        true
+    }
+
+    /// Parks after `PARK_AFTER` straight steps whose best choice does not pay.
+    fn note_outcome(&mut self, pays: bool, batch: usize) {
+        if !self.parks() {
+            return;
+        }
+        let p = &mut self.parking;
+        if pays {
+            p.losing = 0;
+            p.next_len = PARK_MIN;
+            return;
+        }
+        p.losing += 1;
+        if p.losing >= PARK_AFTER {
+            p.park = Some((p.next_len, batch));
+            p.next_len = (p.next_len * 2).min(PARK_MAX);
+            p.losing = 0;
         }
     }
 
@@ -239,14 +310,23 @@ impl Policy {
 
     /// K for this step (a tree's depth with topk > 1). `other_tokens`: tokens in the step that sample nothing new (prefill
     /// chunks); `drafts`: the proposal length of each decoding sequence (0 when it has none).
-    pub fn choose_k(&self, other_tokens: usize, drafts: &[usize]) -> usize {
-        let s = self.cfg.num_steps;
+    /// Under the adaptive EAGLE-3 policy this also counts towards parking the draft.
+    pub fn choose_k(&mut self, other_tokens: usize, drafts: &[usize]) -> usize {
         if !self.enabled() || drafts.iter().all(|&d| d == 0) {
             return 0;
         }
         if !self.cfg.adaptive {
-            return s;
+            return self.cfg.num_steps;
         }
+        let (k, pays) = self.best_k(other_tokens, drafts);
+        self.note_outcome(pays, drafts.len());
+        k
+    }
+
+    /// The K with the best expected rate, and whether that rate, with the draft's extend
+    /// counted, beats plain decoding without it (the extend is saved only by parking).
+    fn best_k(&self, other_tokens: usize, drafts: &[usize]) -> (usize, bool) {
+        let s = self.cfg.num_steps;
         let mut reach = vec![1.0f64; s + 1];
         for j in 0..s {
             reach[j + 1] = reach[j] * self.accept_prob(j);
@@ -255,7 +335,8 @@ impl Policy {
         // From the longest draft down; a shorter one must win by a clear margin, so measurement noise
         // does not shave drafts whose acceptance is high.
         let drafting = drafts.iter().filter(|&&d| d > 0).count();
-        let mut best = (s, 0f64);
+        let mut best = (s, 0f64, 0f64);
+        let mut plain_rate = 0.0;
         for k in (0..=s).rev() {
             let mut tokens = other_tokens;
             let mut yield_ = 0.0;
@@ -265,17 +346,21 @@ impl Policy {
                 yield_ += 1.0 + reach[1..=used].iter().sum::<f64>();
             }
             let Some(mut t) = self.cost(tokens) else {
-                return 0;
+                return (0, true);
             };
+            if k == 0 {
+                plain_rate = yield_ / t.max(1e-9);
+            }
             if self.cfg.method == SpecMethod::Eagle3 && k > 1 {
                 t += (k - 1) as f64 * self.chain_cost(drafting * self.cfg.topk);
             }
             let rate = yield_ / t.max(1e-9);
+            let with_extend = yield_ / (t + self.extend_secs.unwrap_or(0.0)).max(1e-9);
             if k == s || rate > best.1 * 1.01 {
-                best = (k, rate);
+                best = (k, rate, with_extend);
             }
         }
-        best.0
+        (best.0, best.0 > 0 && best.2 > plain_rate)
     }
 }
 
@@ -382,5 +467,107 @@ mod tests {
         assert!(p.accept_prob(0) > 0.5);
         assert!(p.accept_prob(1) < 0.5);
         assert!((p.accept_prob(2) - 0.5).abs() < 1e-9);
+    }
+
+    /// An adaptive EAGLE-3 policy on a compute-bound machine (every token costs a full step's
+    /// share) with a draft that is accepted half the time.
+    fn compute_bound_eagle() -> Policy {
+        let mut p = Policy::new(SpecConfig {
+            method: SpecMethod::Eagle3,
+            num_steps: 3,
+            ..Default::default()
+        });
+        for (t, s) in [(1, 0.009), (2, 0.015), (4, 0.024), (8, 0.05)] {
+            p.record_step(t, s);
+        }
+        p.record_extend(0.0008);
+        p
+    }
+
+    #[test]
+    fn a_draft_that_does_not_pay_is_parked_and_probed_again_with_growing_parks() {
+        let mut p = compute_bound_eagle();
+        // Before parking: K = 0 chosen, the draft extended at every step.
+        for _ in 0..PARK_AFTER - 1 {
+            assert!(!p.draft_parked(1));
+            assert_eq!(p.choose_k(0, &[3]), 0);
+        }
+        assert!(!p.draft_parked(1));
+        assert_eq!(p.choose_k(0, &[3]), 0);
+        // Parked for PARK_MIN steps, then a probe.
+        let parked = (0..PARK_MIN * 4).take_while(|_| p.draft_parked(1)).count();
+        assert_eq!(parked, PARK_MIN - 1);
+        // The probe fails too: the next park is twice as long.
+        for _ in 0..PARK_AFTER {
+            assert_eq!(p.choose_k(0, &[3]), 0);
+        }
+        let parked = (0..PARK_MIN * 4).take_while(|_| p.draft_parked(1)).count();
+        assert_eq!(parked, 2 * PARK_MIN - 1);
+    }
+
+    #[test]
+    fn a_park_ends_when_the_batch_halves() {
+        let mut p = compute_bound_eagle();
+        for _ in 0..PARK_AFTER {
+            p.choose_k(0, &[3; 16]);
+        }
+        assert!(p.draft_parked(16));
+        assert!(p.draft_parked(10));
+        assert!(
+            !p.draft_parked(8),
+            "half the batch: costs changed, probe again"
+        );
+    }
+
+    #[test]
+    fn a_draft_that_pays_is_never_parked_and_others_never_park() {
+        // Weight-streaming costs and a good draft: drafting pays, the draft stays.
+        let mut p = Policy::new(SpecConfig {
+            method: SpecMethod::Eagle3,
+            num_steps: 3,
+            ..Default::default()
+        });
+        for (t, s) in [(1, 0.010), (2, 0.0102), (4, 0.0105), (8, 0.014)] {
+            p.record_step(t, s);
+        }
+        p.record_extend(0.0008);
+        for _ in 0..50 {
+            p.record_verify(3, 3);
+        }
+        for _ in 0..PARK_AFTER * 4 {
+            assert!(!p.draft_parked(1));
+            assert_eq!(p.choose_k(0, &[3]), 3);
+        }
+        // Extend costs more than drafting gains: parked even though K > 0 would be chosen.
+        p.record_extend(1.0);
+        for _ in 0..50 {
+            p.record_extend(1.0);
+        }
+        for _ in 0..PARK_AFTER {
+            p.choose_k(0, &[3]);
+        }
+        assert!(p.draft_parked(1));
+        // n-gram drafts have no extend to save and the fixed policy never chooses: no parking.
+        for cfg in [
+            SpecConfig {
+                method: SpecMethod::Ngram,
+                num_steps: 3,
+                ..Default::default()
+            },
+            SpecConfig {
+                method: SpecMethod::Eagle3,
+                num_steps: 3,
+                adaptive: false,
+                ..Default::default()
+            },
+        ] {
+            let mut p = Policy::new(cfg);
+            p.record_step(1, 0.009);
+            p.record_step(4, 0.036);
+            for _ in 0..PARK_AFTER * 2 {
+                p.choose_k(0, &[3]);
+                assert!(!p.draft_parked(1));
+            }
+        }
     }
 }
