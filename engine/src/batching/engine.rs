@@ -104,8 +104,6 @@ pub struct Engine<B: Backend> {
     policy: Policy,
     /// The EAGLE-3 draft head and its state (`--speculative-algorithm eagle3`).
     eagle: Option<EagleDrafter<B>>,
-    /// This step runs without the draft (the policy parked it: drafting did not pay).
-    draft_parked: bool,
 }
 
 /// One scheduled sequence of a step: its running index, tokens fed, and where its logits are.
@@ -264,7 +262,6 @@ impl<B: Backend> Engine<B> {
         metrics.kv_blocks_total.set(n_blocks as i64);
         let mut engine = Engine {
             policy: Policy::new(cfg.spec),
-            draft_parked: false,
             model,
             cfg,
             kv,
@@ -382,11 +379,10 @@ impl<B: Backend> Engine<B> {
         if plan.work.is_empty() {
             return;
         }
-        self.draft_parked = self.eagle.is_some() && self.policy.draft_parked(plan.work.len());
-        self.metrics
-            .spec_draft_parked
-            .set(i64::from(self.draft_parked));
-        let Drafts { counts, trees } = self.draft(&plan.work);
+        // The policy parked the EAGLE-3 draft (drafting did not pay): no drafts, no extend.
+        let parked = self.policy.draft_parked(plan.work.len());
+        self.metrics.spec_draft_parked.set(i64::from(parked));
+        let Drafts { counts, trees } = self.draft(&plan.work, parked);
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut logit_rows = Vec::new();
@@ -581,7 +577,7 @@ impl<B: Backend> Engine<B> {
                 self.sched.trim_running(f.index);
             }
         }
-        self.extend_draft(&fed, &confirmed_rows, &finished);
+        self.extend_draft(&fed, &confirmed_rows, &finished, parked);
         for (id, reason) in finished {
             self.finish(id, reason);
         }
@@ -597,12 +593,12 @@ impl<B: Backend> Engine<B> {
         fed: &[Fed],
         confirmed_rows: &[Option<Vec<usize>>],
         finished: &[(SeqId, FinishReason)],
+        parked: bool,
     ) {
         let Some(eagle) = self.eagle.as_mut() else {
             return;
         };
         let running = self.sched.running();
-        let parked = self.draft_parked;
         let seqs: Vec<Confirmed> = fed
             .iter()
             .zip(confirmed_rows)
@@ -781,9 +777,9 @@ impl<B: Backend> Engine<B> {
 
     /// Draft tokens for this step's decoding sequences, appended to their tokens (and their blocks
     /// reserved); returns the count per work item (0 for prefill and undrafted sequences).
-    fn draft(&mut self, work: &[(usize, usize)]) -> Drafts {
+    fn draft(&mut self, work: &[(usize, usize)], parked: bool) -> Drafts {
         let mut drafts = Drafts::none(work.len());
-        if !self.policy.enabled() || self.draft_parked {
+        if !self.policy.enabled() || parked {
             return drafts;
         }
         if self.cfg.spec.method == SpecMethod::Eagle3 {

@@ -425,14 +425,7 @@ mod tests {
 
     #[test]
     fn eagle_chain_steps_count_against_long_drafts() {
-        let mut p = Policy::new(SpecConfig {
-            method: SpecMethod::Eagle3,
-            num_steps: 3,
-            ..Default::default()
-        });
-        for (t, s) in [(1, 0.010), (2, 0.0102), (4, 0.0105), (8, 0.014)] {
-            p.record_step(t, s);
-        }
+        let mut p = eagle_with_costs(&WEIGHT_STREAMING);
         for _ in 0..50 {
             p.record_verify(3, 3);
         }
@@ -469,17 +462,26 @@ mod tests {
         assert!((p.accept_prob(2) - 0.5).abs() < 1e-9);
     }
 
-    /// An adaptive EAGLE-3 policy on a compute-bound machine (every token costs a full step's
-    /// share) with a draft that is accepted half the time.
-    fn compute_bound_eagle() -> Policy {
+    /// Step costs of a weight-streaming machine: 1..8 tokens cost about the same.
+    const WEIGHT_STREAMING: [(usize, f64); 4] = [(1, 0.010), (2, 0.0102), (4, 0.0105), (8, 0.014)];
+
+    /// An adaptive EAGLE-3 policy (S = 3) with these measured step costs.
+    fn eagle_with_costs(costs: &[(usize, f64)]) -> Policy {
         let mut p = Policy::new(SpecConfig {
             method: SpecMethod::Eagle3,
             num_steps: 3,
             ..Default::default()
         });
-        for (t, s) in [(1, 0.009), (2, 0.015), (4, 0.024), (8, 0.05)] {
+        for &(t, s) in costs {
             p.record_step(t, s);
         }
+        p
+    }
+
+    /// An adaptive EAGLE-3 policy on a compute-bound machine (every token costs a full step's
+    /// share) with a draft that is accepted half the time.
+    fn compute_bound_eagle() -> Policy {
+        let mut p = eagle_with_costs(&[(1, 0.009), (2, 0.015), (4, 0.024), (8, 0.05)]);
         p.record_extend(0.0008);
         p
     }
@@ -522,14 +524,7 @@ mod tests {
     #[test]
     fn a_draft_that_pays_is_never_parked_and_others_never_park() {
         // Weight-streaming costs and a good draft: drafting pays, the draft stays.
-        let mut p = Policy::new(SpecConfig {
-            method: SpecMethod::Eagle3,
-            num_steps: 3,
-            ..Default::default()
-        });
-        for (t, s) in [(1, 0.010), (2, 0.0102), (4, 0.0105), (8, 0.014)] {
-            p.record_step(t, s);
-        }
+        let mut p = eagle_with_costs(&WEIGHT_STREAMING);
         p.record_extend(0.0008);
         for _ in 0..50 {
             p.record_verify(3, 3);
@@ -539,7 +534,6 @@ mod tests {
             assert_eq!(p.choose_k(0, &[3]), 3);
         }
         // Extend costs more than drafting gains: parked even though K > 0 would be chosen.
-        p.record_extend(1.0);
         for _ in 0..50 {
             p.record_extend(1.0);
         }
