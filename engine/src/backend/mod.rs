@@ -70,6 +70,8 @@ pub struct RopeSpec {
     pub inv_freq: Vec<f32>,
     /// Positions are divided by this before rotating (linear scaling; 1 otherwise).
     pub position_scale: f32,
+    /// Multiplies cos and sin (YaRN's attention factor; 1 otherwise).
+    pub attention_factor: f32,
 }
 
 /// The compute primitives. Activations are row-major `[n_tokens, width]` buffers.
@@ -155,6 +157,27 @@ pub trait Backend: Send + Sync {
     fn silu_mul(&self, gu: &Self::Buffer, out: &mut Self::Buffer);
     /// `x += y`.
     fn add(&self, x: &mut Self::Buffer, y: &Self::Buffer);
+    /// `dst[t][dst_col..dst_col + width] = src[t][src_col..src_col + width]` for every row `t`
+    /// (both buffers have the same rows; `dst` keeps its shape). MLA assembles its per-head
+    /// layouts with it.
+    fn copy_columns(
+        &self,
+        src: &Self::Buffer,
+        src_col: usize,
+        dst: &mut Self::Buffer,
+        dst_col: usize,
+        width: usize,
+    );
+    /// `x[t][col..col + width] *= factor` for every row.
+    fn scale_columns(&self, x: &mut Self::Buffer, col: usize, width: usize, factor: f32);
+    /// `dst[rows[i]] += weights[i] * src[i]`: a routed expert's outputs added back to its tokens.
+    fn scatter_add_rows(
+        &self,
+        dst: &mut Self::Buffer,
+        rows: &[usize],
+        src: &Self::Buffer,
+        weights: &[f32],
+    );
     /// Keeps only the listed rows, in order (before the LM head, which needs few of them).
     fn gather_rows(&self, x: &Self::Buffer, rows: &[usize]) -> Self::Buffer;
     /// Copies a buffer to host f32 values.

@@ -1,5 +1,6 @@
-//! One configuration type for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3), read either
-//! from GGUF metadata or from a Hugging Face `config.json`.
+//! One configuration type for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) and the
+//! DeepSeek-V3 family (DeepSeek-V3, Kimi-K2: MLA attention and MoE feed-forwards), read either from
+//! GGUF metadata or from a Hugging Face `config.json`.
 
 use std::path::Path;
 
@@ -14,6 +15,8 @@ pub enum Architecture {
     Mistral,
     Qwen2,
     Qwen3,
+    /// DeepSeek-V3 and Kimi-K2 (`DeepseekV3ForCausalLM`): multi-head latent attention, MoE.
+    DeepseekV3,
 }
 
 impl Architecture {
@@ -23,6 +26,7 @@ impl Architecture {
             "mistral" | "MistralForCausalLM" => Architecture::Mistral,
             "qwen2" | "Qwen2ForCausalLM" => Architecture::Qwen2,
             "qwen3" | "Qwen3ForCausalLM" => Architecture::Qwen3,
+            "deepseek_v3" | "kimi_k2" | "DeepseekV3ForCausalLM" => Architecture::DeepseekV3,
             other => {
                 return Err(Error::UnsupportedArchitecture {
                     path: path.to_path_buf(),
@@ -51,6 +55,67 @@ pub struct Llama3RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// YaRN RoPE scaling (`rope_type = "yarn"`, as DeepSeek-V3 and Kimi-K2 ship it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct YarnScaling {
+    pub factor: f32,
+    pub original_max_position_embeddings: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    /// Multiplies the rotated dimensions' cos/sin (transformers' `attention_factor`).
+    pub attention_factor: f32,
+    /// `mscale_all_dim`: MLA multiplies its softmax scale by `yarn_mscale(factor, this)^2`.
+    pub mscale_all_dim: f32,
+}
+
+/// YaRN's `0.1 * mscale * ln(scale) + 1` (1 for scale <= 1).
+pub fn yarn_mscale(scale: f32, mscale: f32) -> f32 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3): keys and values are one compressed latent per
+/// token (`kv_lora_rank` values after their RMSNorm) plus one shared rotary key of
+/// `qk_rope_head_dim`; that latent is what the KV cache holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaConfig {
+    /// `None`: queries come from one `q_proj`; otherwise from `q_a_proj` -> RMSNorm -> `q_b_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// The softmax scale transformers uses: `(nope + rope)^-0.5`, times YaRN's mscale squared.
+    pub softmax_scale: f32,
+}
+
+impl MlaConfig {
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+}
+
+/// DeepSeek-V3's mixture of experts: sigmoid router scores plus a correction bias choose
+/// `topk_group` of `n_group` expert groups (by the sum of each group's best two), then
+/// `experts_per_token` experts among them; weights are the uncorrected scores, normalised when
+/// `norm_topk_prob`, times `routed_scaling_factor`. Shared experts run on every token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub n_routed_experts: usize,
+    pub n_shared_experts: usize,
+    pub experts_per_token: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f32,
+    pub norm_topk_prob: bool,
+    pub moe_intermediate_size: usize,
+    /// Layers before this one have a dense MLP of `intermediate_size`.
+    pub first_k_dense_replace: usize,
+}
+
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
     pub arch: Architecture,
@@ -73,6 +138,12 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     pub qkv_bias: bool,
     pub qk_norm: bool,
+    pub yarn: Option<YarnScaling>,
+    /// DeepSeek-V3 attention. With it, `n_kv_heads` is 1 and `head_dim` is
+    /// `qk_rope_head_dim + kv_lora_rank`: the width of one cached latent row, which is also the
+    /// per-head width of the absorbed queries (see `model::mla`).
+    pub mla: Option<MlaConfig>,
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -129,7 +200,9 @@ impl ModelConfig {
             // ggml's convert script permutes Llama/Mistral Q and K rows; Qwen uses NeoX rope unpermuted.
             rope_layout: match arch {
                 Architecture::Llama | Architecture::Mistral => RopeLayout::Interleaved,
-                Architecture::Qwen2 | Architecture::Qwen3 => RopeLayout::HalfSplit,
+                Architecture::Qwen2 | Architecture::Qwen3 | Architecture::DeepseekV3 => {
+                    RopeLayout::HalfSplit
+                }
             },
             // Llama 3 scaling arrives in GGUF as the precomputed `rope_freqs.weight` tensor instead.
             llama3_scaling: None,
@@ -138,6 +211,9 @@ impl ModelConfig {
             tied_embeddings: !g.has_tensor("output.weight"),
             qkv_bias: g.has_tensor("blk.0.attn_q.bias"),
             qk_norm: g.has_tensor("blk.0.attn_q_norm.weight"),
+            yarn: None,
+            mla: None,
+            moe: None,
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -174,6 +250,7 @@ impl ModelConfig {
             .rope_theta
             .or(c.rope_parameters.as_ref().and_then(|p| p.rope_theta))
             .unwrap_or(10_000.0);
+        let mut yarn = None;
         if let Some(s) = rope {
             let kind = s
                 .rope_type
@@ -192,6 +269,28 @@ impl ModelConfig {
                     })
                 }
                 "linear" => rope_linear_factor = s.factor.unwrap_or(1.0),
+                "yarn" => {
+                    let original = s.original_max_position_embeddings.unwrap_or(4096);
+                    let factor = s.factor.unwrap_or_else(|| {
+                        c.max_position_embeddings.unwrap_or(original) as f32 / original as f32
+                    });
+                    let attention_factor =
+                        s.attention_factor
+                            .unwrap_or_else(|| match (s.mscale, s.mscale_all_dim) {
+                                (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                                    yarn_mscale(factor, m) / yarn_mscale(factor, a)
+                                }
+                                _ => yarn_mscale(factor, 1.0),
+                            });
+                    yarn = Some(YarnScaling {
+                        factor,
+                        original_max_position_embeddings: original,
+                        beta_fast: s.beta_fast.unwrap_or(32.0),
+                        beta_slow: s.beta_slow.unwrap_or(1.0),
+                        attention_factor,
+                        mscale_all_dim: s.mscale_all_dim.unwrap_or(0.0),
+                    });
+                }
                 "default" => {}
                 other => {
                     return Err(Error::config(
@@ -201,25 +300,46 @@ impl ModelConfig {
                 }
             }
         }
+        let (mla, moe) = if arch == Architecture::DeepseekV3 {
+            deepseek_parts(&c, yarn.as_ref(), path)?
+        } else {
+            (None, None)
+        };
+        let (n_kv_heads, head_dim, rope_dim) = match &mla {
+            Some(m) => (1, m.qk_rope_head_dim + m.kv_lora_rank, m.qk_rope_head_dim),
+            None => (
+                c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+                head_dim,
+                head_dim,
+            ),
+        };
+        let rope_layout = if mla.is_some() && c.rope_interleave.unwrap_or(true) {
+            RopeLayout::Interleaved
+        } else {
+            RopeLayout::HalfSplit
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size: c.hidden_size,
             intermediate_size: c.intermediate_size,
             n_layers: c.num_hidden_layers,
             n_heads: c.num_attention_heads,
-            n_kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+            n_kv_heads,
             head_dim,
-            rope_dim: head_dim,
+            rope_dim,
             vocab_size: c.vocab_size,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
-            rope_layout: RopeLayout::HalfSplit,
+            rope_layout,
             llama3_scaling,
             rope_linear_factor,
             max_context: c.max_position_embeddings.unwrap_or(4096),
             tied_embeddings: c.tie_word_embeddings.unwrap_or(false),
             qkv_bias: c.attention_bias.unwrap_or(arch == Architecture::Qwen2),
             qk_norm: arch == Architecture::Qwen3,
+            yarn,
+            mla,
+            moe,
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -265,6 +385,86 @@ impl ModelConfig {
     }
 }
 
+/// The MLA and MoE settings of a `DeepseekV3ForCausalLM` config.
+fn deepseek_parts(
+    c: &HfConfig,
+    yarn: Option<&YarnScaling>,
+    path: &Path,
+) -> Result<(Option<MlaConfig>, Option<MoeConfig>)> {
+    let need = |v: Option<usize>, field: &str| {
+        v.filter(|&v| v > 0).ok_or_else(|| {
+            Error::config(
+                path,
+                format!("field `{field}` is missing or zero (DeepseekV3 needs it)"),
+            )
+        })
+    };
+    let nope = need(c.qk_nope_head_dim, "qk_nope_head_dim")?;
+    let rope = need(c.qk_rope_head_dim, "qk_rope_head_dim")?;
+    let mut softmax_scale = 1.0 / ((nope + rope) as f32).sqrt();
+    if let Some(y) = yarn.filter(|y| y.mscale_all_dim != 0.0) {
+        let m = yarn_mscale(y.factor, y.mscale_all_dim);
+        softmax_scale *= m * m;
+    }
+    let mla = MlaConfig {
+        q_lora_rank: c.q_lora_rank,
+        kv_lora_rank: need(c.kv_lora_rank, "kv_lora_rank")?,
+        qk_nope_head_dim: nope,
+        qk_rope_head_dim: rope,
+        v_head_dim: need(c.v_head_dim, "v_head_dim")?,
+        softmax_scale,
+    };
+    let routed = c.n_routed_experts.unwrap_or(0);
+    let moe = if routed == 0 {
+        None
+    } else {
+        let moe = MoeConfig {
+            n_routed_experts: routed,
+            n_shared_experts: c.n_shared_experts.unwrap_or(0),
+            experts_per_token: need(c.num_experts_per_tok, "num_experts_per_tok")?,
+            n_group: c.n_group.unwrap_or(1).max(1),
+            topk_group: c.topk_group.unwrap_or(1).max(1),
+            routed_scaling_factor: c.routed_scaling_factor.unwrap_or(1.0),
+            norm_topk_prob: c.norm_topk_prob.unwrap_or(true),
+            moe_intermediate_size: need(c.moe_intermediate_size, "moe_intermediate_size")?,
+            first_k_dense_replace: c.first_k_dense_replace.unwrap_or(0),
+        };
+        if let Some(t) = &c.topk_method
+            && t != "noaux_tc"
+        {
+            return Err(Error::config(
+                path,
+                format!("topk_method `{t}` is not supported (DeepSeek-V3 uses `noaux_tc`)"),
+            ));
+        }
+        if let Some(f) = &c.scoring_func
+            && f != "sigmoid"
+        {
+            return Err(Error::config(
+                path,
+                format!("scoring_func `{f}` is not supported (DeepSeek-V3 uses `sigmoid`)"),
+            ));
+        }
+        let per_group = routed / moe.n_group;
+        if !routed.is_multiple_of(moe.n_group)
+            || moe.topk_group > moe.n_group
+            || per_group < 2
+            || moe.experts_per_token > moe.topk_group * per_group
+        {
+            return Err(Error::config(
+                path,
+                format!(
+                    "MoE routing does not fit: {routed} experts in {} groups, {} groups and {} \
+                     experts per token",
+                    moe.n_group, moe.topk_group, moe.experts_per_token
+                ),
+            ));
+        }
+        Some(moe)
+    };
+    Ok((Some(mla), moe))
+}
+
 #[derive(Deserialize)]
 struct HfRopeScaling {
     rope_type: Option<String>,
@@ -276,6 +476,11 @@ struct HfRopeScaling {
     low_freq_factor: Option<f32>,
     high_freq_factor: Option<f32>,
     original_max_position_embeddings: Option<usize>,
+    beta_fast: Option<f32>,
+    beta_slow: Option<f32>,
+    mscale: Option<f32>,
+    mscale_all_dim: Option<f32>,
+    attention_factor: Option<f32>,
 }
 
 #[derive(Deserialize)]
@@ -297,4 +502,22 @@ struct HfConfig {
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
+    // DeepSeek-V3 / Kimi-K2.
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    rope_interleave: Option<bool>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    routed_scaling_factor: Option<f32>,
+    norm_topk_prob: Option<bool>,
+    moe_intermediate_size: Option<usize>,
+    first_k_dense_replace: Option<usize>,
+    topk_method: Option<String>,
+    scoring_func: Option<String>,
 }

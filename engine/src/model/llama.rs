@@ -6,23 +6,40 @@
 //! sequences of different lengths in one step.
 
 use super::config::{ModelConfig, RopeLayout};
+use super::mla::{MlaTensors, MlaWeights, QueryTensors};
+use super::moe::{Expert, MoeWeights};
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
 use crate::parallel::{Communicator, Shard};
 use crate::weights::{TensorView, WeightStore};
+use std::ops::Range;
 
-struct Layer<B: Backend> {
-    attn_norm: B::Vector,
+/// Grouped-query attention (Llama, Mistral, Qwen).
+struct GqaWeights<B: Backend> {
     /// Q, K and V projections stacked: one matmul gives `[q | k | v]`.
     qkv: B::Matrix,
     qkv_bias: Option<B::Vector>,
     q_norm: Option<B::Vector>,
     k_norm: Option<B::Vector>,
     o: B::Matrix,
+}
+
+enum Attention<B: Backend> {
+    Gqa(GqaWeights<B>),
+    Mla(MlaWeights<B>),
+}
+
+enum FeedForward<B: Backend> {
+    /// Gate and up projections stacked (`[gate | up]`), then down.
+    Dense(Expert<B>),
+    Moe(MoeWeights<B>),
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    attention: Attention<B>,
     ffn_norm: B::Vector,
-    /// Gate and up projections stacked: `[gate | up]`.
-    gate_up: B::Matrix,
-    down: B::Matrix,
+    ffn: FeedForward<B>,
 }
 
 pub struct Llama<B: Backend> {
@@ -118,6 +135,19 @@ fn layer_name(n: Naming, i: usize, role: &str) -> String {
         "gate" => ("ffn_gate.weight", "mlp.gate_proj.weight"),
         "up" => ("ffn_up.weight", "mlp.up_proj.weight"),
         "down" => ("ffn_down.weight", "mlp.down_proj.weight"),
+        // DeepSeek-V3 (Hugging Face names only; GGUF's are not mapped).
+        "q_a" => ("", "self_attn.q_a_proj.weight"),
+        "q_a_norm" => ("", "self_attn.q_a_layernorm.weight"),
+        "q_b" => ("", "self_attn.q_b_proj.weight"),
+        "kv_a" => ("", "self_attn.kv_a_proj_with_mqa.weight"),
+        "kv_a_norm" => ("", "self_attn.kv_a_layernorm.weight"),
+        "kv_b" => ("", "self_attn.kv_b_proj.weight"),
+        "router" => ("", "mlp.gate.weight"),
+        "experts" => ("", "mlp.experts"),
+        "router_bias" => ("", "mlp.gate.e_score_correction_bias"),
+        "shared_gate" => ("", "mlp.shared_experts.gate_proj.weight"),
+        "shared_up" => ("", "mlp.shared_experts.up_proj.weight"),
+        "shared_down" => ("", "mlp.shared_experts.down_proj.weight"),
         _ => unreachable!("unknown layer tensor role {role}"),
     };
     match n {
@@ -132,6 +162,9 @@ fn rope_inv_freq(cfg: &ModelConfig, store: Option<&WeightStore>) -> Result<Vec<f
     let mut inv: Vec<f32> = (0..d / 2)
         .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / d as f32))
         .collect();
+    if let Some(y) = cfg.yarn {
+        inv = yarn_inv_freq(cfg.rope_theta, d, &y);
+    }
     if let Some(s) = cfg.llama3_scaling {
         let old = s.original_max_position_embeddings as f32;
         let low_wavelen = old / s.low_freq_factor;
@@ -158,6 +191,30 @@ fn rope_inv_freq(cfg: &ModelConfig, store: Option<&WeightStore>) -> Result<Vec<f
     Ok(inv)
 }
 
+/// YaRN's frequencies as transformers' `_compute_yarn_parameters` computes them: the low
+/// frequencies interpolated (divided by the factor), the high ones kept, a linear ramp between
+/// the correction dimensions of `beta_fast` and `beta_slow` rotations.
+fn yarn_inv_freq(base: f32, dim: usize, y: &super::config::YarnScaling) -> Vec<f32> {
+    let correction_dim = |rotations: f32| -> f64 {
+        let (b, orig) = (base as f64, y.original_max_position_embeddings as f64);
+        dim as f64 * (orig / (rotations as f64 * 2.0 * std::f64::consts::PI)).ln() / (2.0 * b.ln())
+    };
+    let low = correction_dim(y.beta_fast).floor().max(0.0) as f32;
+    let mut high = correction_dim(y.beta_slow).ceil().min(dim as f64 - 1.0) as f32;
+    if low == high {
+        high += 0.001;
+    }
+    (0..dim / 2)
+        .map(|i| {
+            let pos_freq = base.powf((2 * i) as f32 / dim as f32);
+            let (extrapolation, interpolation) = (1.0 / pos_freq, 1.0 / (y.factor * pos_freq));
+            let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+            let keep = 1.0 - ramp;
+            interpolation * (1.0 - keep) + extrapolation * keep
+        })
+        .collect()
+}
+
 /// The RoPE tables of a model with this configuration (shared by every layer); `store` may hold
 /// GGUF's per-frequency divisors.
 pub fn rope_spec(c: &ModelConfig, store: Option<&WeightStore>) -> Result<RopeSpec> {
@@ -167,6 +224,7 @@ pub fn rope_spec(c: &ModelConfig, store: Option<&WeightStore>) -> Result<RopeSpe
         interleaved: c.rope_layout == RopeLayout::Interleaved,
         inv_freq: rope_inv_freq(c, store)?,
         position_scale: c.rope_linear_factor,
+        attention_factor: c.yarn.map_or(1.0, |y| y.attention_factor),
     })
 }
 
@@ -221,7 +279,6 @@ impl<B: Backend> Llama<B> {
         let q_rows = plan.q_heads.start * d..plan.q_heads.end * d;
         let kv_rows = plan.kv_heads.start * d..plan.kv_heads.end * d;
         let inter = plan.intermediate.clone();
-        let local_width = |b: Vec<f32>, r: &std::ops::Range<usize>| b[r.clone()].to_vec();
         let naming = match store {
             WeightStore::Gguf(_) => Naming::Gguf,
             WeightStore::Hf(_) => Naming::Hf,
@@ -245,63 +302,68 @@ impl<B: Backend> Llama<B> {
         let total = c.n_layers;
         progress(0, total);
         let mut layers = Vec::with_capacity(c.n_layers);
+        if c.mla.is_some() && matches!(naming, Naming::Gguf) {
+            return Err(Error::config(
+                &embed_view.path,
+                "DeepSeek-V3 models load from Hugging Face safetensors directories, not GGUF",
+            ));
+        }
         for i in 0..c.n_layers {
             let n = |role: &str| layer_name(naming, i, role);
-            let qkv = backend.matrix(
-                &[
-                    rows(get(&n("q"), &[c.q_width(), h])?, q_rows.clone())?,
-                    rows(get(&n("k"), &[c.kv_width(), h])?, kv_rows.clone())?,
-                    rows(get(&n("v"), &[c.kv_width(), h])?, kv_rows.clone())?,
-                ],
-                precision,
-            )?;
-            let qkv_bias = if c.qkv_bias {
-                let mut b = local_width(get(&n("q_bias"), &[c.q_width()])?.to_f32(), &q_rows);
-                b.extend(local_width(
-                    get(&n("k_bias"), &[c.kv_width()])?.to_f32(),
-                    &kv_rows,
-                ));
-                b.extend(local_width(
-                    get(&n("v_bias"), &[c.kv_width()])?.to_f32(),
-                    &kv_rows,
-                ));
-                Some(backend.vector_from_host(&b)?)
-            } else {
-                None
+            let attention = match &c.mla {
+                Some(m) => {
+                    let qh = m.qk_head_dim();
+                    let q_rows = plan.q_heads.start * qh..plan.q_heads.end * qh;
+                    let q_out = c.n_heads * qh;
+                    let q = match m.q_lora_rank {
+                        Some(rank) => QueryTensors::LowRank(Box::new([
+                            get(&n("q_a"), &[rank, h])?,
+                            get(&n("q_a_norm"), &[rank])?,
+                            rows(get(&n("q_b"), &[q_out, rank])?, q_rows)?,
+                        ])),
+                        None => QueryTensors::Direct(rows(get(&n("q"), &[q_out, h])?, q_rows)?),
+                    };
+                    let kvb = m.qk_nope_head_dim + m.v_head_dim;
+                    let v_cols = plan.q_heads.start * m.v_head_dim..plan.q_heads.end * m.v_head_dim;
+                    let t = MlaTensors {
+                        q,
+                        kv_a: get(&n("kv_a"), &[m.kv_lora_rank + m.qk_rope_head_dim, h])?,
+                        kv_a_norm: get(&n("kv_a_norm"), &[m.kv_lora_rank])?,
+                        kv_b: rows(
+                            get(&n("kv_b"), &[c.n_heads * kvb, m.kv_lora_rank])?,
+                            plan.q_heads.start * kvb..plan.q_heads.end * kvb,
+                        )?,
+                        o: cols(get(&n("o"), &[h, c.n_heads * m.v_head_dim])?, v_cols)?,
+                    };
+                    Attention::Mla(MlaWeights::load(
+                        backend,
+                        m,
+                        t,
+                        plan.q_heads.len(),
+                        precision,
+                    )?)
+                }
+                None => Attention::Gqa(Self::load_gqa(
+                    backend, c, &get, &n, &rows, &cols, &q_rows, &kv_rows, precision,
+                )?),
             };
-            let (q_norm, k_norm) = if c.qk_norm {
-                (
-                    Some(backend.vector(&get(&n("q_norm"), &[c.head_dim])?)?),
-                    Some(backend.vector(&get(&n("k_norm"), &[c.head_dim])?)?),
-                )
-            } else {
-                (None, None)
+            let ffn = match &c.moe {
+                Some(moe) if i >= moe.first_k_dense_replace => FeedForward::Moe(Self::load_moe(
+                    backend, c, moe, store, &get, &n, shard, precision,
+                )?),
+                _ => FeedForward::Dense(Expert::load(
+                    backend,
+                    rows(get(&n("gate"), &[c.intermediate_size, h])?, inter.clone())?,
+                    rows(get(&n("up"), &[c.intermediate_size, h])?, inter.clone())?,
+                    cols(get(&n("down"), &[h, c.intermediate_size])?, inter.clone())?,
+                    precision,
+                )?),
             };
             layers.push(Layer {
                 attn_norm: backend.vector(&get(&n("attn_norm"), &[h])?)?,
-                qkv,
-                qkv_bias,
-                q_norm,
-                k_norm,
-                o: backend.matrix(
-                    &[cols(get(&n("o"), &[h, c.q_width()])?, q_rows.clone())?],
-                    precision,
-                )?,
+                attention,
                 ffn_norm: backend.vector(&get(&n("ffn_norm"), &[h])?)?,
-                gate_up: backend.matrix(
-                    &[
-                        rows(get(&n("gate"), &[c.intermediate_size, h])?, inter.clone())?,
-                        rows(get(&n("up"), &[c.intermediate_size, h])?, inter.clone())?,
-                    ],
-                    precision,
-                )?,
-                down: backend.matrix(
-                    &[cols(
-                        get(&n("down"), &[h, c.intermediate_size])?,
-                        inter.clone(),
-                    )?],
-                    precision,
-                )?,
+                ffn,
             });
             progress(i + 1, total);
         }
@@ -317,6 +379,129 @@ impl<B: Backend> Llama<B> {
             local_heads: plan.q_heads.len(),
             local_kv_heads: plan.kv_heads.len(),
         })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn load_gqa(
+        backend: &B,
+        c: &ModelConfig,
+        get: &dyn Fn(&str, &[usize]) -> Result<TensorView>,
+        n: &dyn Fn(&str) -> String,
+        rows: &dyn Fn(TensorView, Range<usize>) -> Result<TensorView>,
+        cols: &dyn Fn(TensorView, Range<usize>) -> Result<TensorView>,
+        q_rows: &Range<usize>,
+        kv_rows: &Range<usize>,
+        precision: Precision,
+    ) -> Result<GqaWeights<B>> {
+        let h = c.hidden_size;
+        let local = |b: Vec<f32>, r: &Range<usize>| b[r.clone()].to_vec();
+        let qkv = backend.matrix(
+            &[
+                rows(get(&n("q"), &[c.q_width(), h])?, q_rows.clone())?,
+                rows(get(&n("k"), &[c.kv_width(), h])?, kv_rows.clone())?,
+                rows(get(&n("v"), &[c.kv_width(), h])?, kv_rows.clone())?,
+            ],
+            precision,
+        )?;
+        let qkv_bias = if c.qkv_bias {
+            let mut b = local(get(&n("q_bias"), &[c.q_width()])?.to_f32(), q_rows);
+            b.extend(local(get(&n("k_bias"), &[c.kv_width()])?.to_f32(), kv_rows));
+            b.extend(local(get(&n("v_bias"), &[c.kv_width()])?.to_f32(), kv_rows));
+            Some(backend.vector_from_host(&b)?)
+        } else {
+            None
+        };
+        let (q_norm, k_norm) = if c.qk_norm {
+            (
+                Some(backend.vector(&get(&n("q_norm"), &[c.head_dim])?)?),
+                Some(backend.vector(&get(&n("k_norm"), &[c.head_dim])?)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(GqaWeights {
+            qkv,
+            qkv_bias,
+            q_norm,
+            k_norm,
+            o: backend.matrix(
+                &[cols(get(&n("o"), &[h, c.q_width()])?, q_rows.clone())?],
+                precision,
+            )?,
+        })
+    }
+
+    /// A MoE layer: the router whole, this rank's contiguous range of routed experts, and its
+    /// columns of the shared experts.
+    #[allow(clippy::too_many_arguments)]
+    fn load_moe(
+        backend: &B,
+        c: &ModelConfig,
+        moe: &super::config::MoeConfig,
+        store: &WeightStore,
+        get: &dyn Fn(&str, &[usize]) -> Result<TensorView>,
+        n: &dyn Fn(&str) -> String,
+        shard: Shard,
+        precision: Precision,
+    ) -> Result<MoeWeights<B>> {
+        let (h, e, w) = (c.hidden_size, moe.n_routed_experts, shard.world);
+        let shared_inter = moe.moe_intermediate_size * moe.n_shared_experts;
+        if !e.is_multiple_of(w) || !shared_inter.is_multiple_of(w) {
+            return Err(Error::InvalidRequest(format!(
+                "tensor parallelism {w} does not fit this model: {e} routed experts, shared \
+                 expert width {shared_inter}"
+            )));
+        }
+        let mine = shard.rank * e / w..(shard.rank + 1) * e / w;
+        let mi = moe.moe_intermediate_size;
+        let mut experts = Vec::with_capacity(e);
+        for x in 0..e {
+            if !mine.contains(&x) {
+                experts.push(None);
+                continue;
+            }
+            let name = |p: &str| format!("{}.{x}.{p}_proj.weight", n("experts"));
+            experts.push(Some(Expert::load(
+                backend,
+                get(&name("gate"), &[mi, h])?,
+                get(&name("up"), &[mi, h])?,
+                get(&name("down"), &[h, mi])?,
+                precision,
+            )?));
+        }
+        let shared = if shared_inter == 0 {
+            None
+        } else {
+            let part = shard.rank * shared_inter / w..(shard.rank + 1) * shared_inter / w;
+            let slice_rows = |v: TensorView| -> Result<TensorView> {
+                if w == 1 {
+                    Ok(v)
+                } else {
+                    v.slice(part.clone(), 0..h)
+                }
+            };
+            let slice_cols = |v: TensorView| -> Result<TensorView> {
+                if w == 1 {
+                    Ok(v)
+                } else {
+                    v.slice(0..h, part.clone())
+                }
+            };
+            Some(Expert::load(
+                backend,
+                slice_rows(get(&n("shared_gate"), &[shared_inter, h])?)?,
+                slice_rows(get(&n("shared_up"), &[shared_inter, h])?)?,
+                slice_cols(get(&n("shared_down"), &[h, shared_inter])?)?,
+                precision,
+            )?)
+        };
+        let bias_name = n("router_bias");
+        let bias = if store.has(&bias_name) {
+            get(&bias_name, &[e])?.to_f32()
+        } else {
+            vec![0.0; e]
+        };
+        MoeWeights::new(backend, get(&n("router"), &[e, h])?, bias, experts, shared)
     }
 
     /// The KV width this rank stores per token (all KV heads without tensor parallelism).
@@ -392,46 +577,84 @@ impl<B: Backend> Llama<B> {
         for (li, l) in self.layers.iter().enumerate() {
             capture(ws, li);
             backend.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, &mut ws.h);
-            backend.matmul(&ws.h, &l.qkv, &mut ws.qkv);
-            if let Some(b) = &l.qkv_bias {
-                backend.add_bias(&mut ws.qkv, b, 0);
+            match &l.attention {
+                Attention::Gqa(g) => {
+                    backend.matmul(&ws.h, &g.qkv, &mut ws.qkv);
+                    if let Some(b) = &g.qkv_bias {
+                        backend.add_bias(&mut ws.qkv, b, 0);
+                    }
+                    if let (Some(qn), Some(kn)) = (&g.q_norm, &g.k_norm) {
+                        backend.head_rms_norm(
+                            &mut ws.qkv,
+                            qn,
+                            c.rms_norm_eps,
+                            0,
+                            n_heads,
+                            c.head_dim,
+                        );
+                        backend.head_rms_norm(
+                            &mut ws.qkv,
+                            kn,
+                            c.rms_norm_eps,
+                            q_width,
+                            n_kv_heads,
+                            c.head_dim,
+                        );
+                    }
+                    backend.rope(&mut ws.qkv, 0, n_heads, batch.positions, &self.rope);
+                    backend.rope(
+                        &mut ws.qkv,
+                        q_width,
+                        n_kv_heads,
+                        batch.positions,
+                        &self.rope,
+                    );
+                    backend.attention(
+                        &ws.qkv,
+                        kv,
+                        li,
+                        batch.spans,
+                        n_heads,
+                        n_kv_heads,
+                        c.head_dim,
+                        &mut ws.attn,
+                    );
+                    backend.matmul(&ws.attn, &g.o, &mut ws.proj);
+                }
+                Attention::Mla(m) => {
+                    let mla = c.mla.as_ref().ok_or_else(|| {
+                        Error::InvalidRequest("an MLA layer without an MLA config".into())
+                    })?;
+                    m.forward(
+                        backend,
+                        mla,
+                        c.rms_norm_eps,
+                        &self.rope,
+                        &ws.h,
+                        batch.positions,
+                        kv,
+                        li,
+                        batch.spans,
+                        &mut ws.proj,
+                    );
+                }
             }
-            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                backend.head_rms_norm(&mut ws.qkv, qn, c.rms_norm_eps, 0, n_heads, c.head_dim);
-                backend.head_rms_norm(
-                    &mut ws.qkv,
-                    kn,
-                    c.rms_norm_eps,
-                    q_width,
-                    n_kv_heads,
-                    c.head_dim,
-                );
-            }
-            backend.rope(&mut ws.qkv, 0, n_heads, batch.positions, &self.rope);
-            backend.rope(
-                &mut ws.qkv,
-                q_width,
-                n_kv_heads,
-                batch.positions,
-                &self.rope,
-            );
-            backend.attention(
-                &ws.qkv,
-                kv,
-                li,
-                batch.spans,
-                n_heads,
-                n_kv_heads,
-                c.head_dim,
-                &mut ws.attn,
-            );
-            backend.matmul(&ws.attn, &l.o, &mut ws.proj);
             reduce(ws)?;
             backend.add(&mut ws.x, &ws.proj);
             backend.rms_norm(&ws.x, &l.ffn_norm, c.rms_norm_eps, &mut ws.h);
-            backend.matmul(&ws.h, &l.gate_up, &mut ws.gate_up);
-            backend.silu_mul(&ws.gate_up, &mut ws.act);
-            backend.matmul(&ws.act, &l.down, &mut ws.proj);
+            match &l.ffn {
+                FeedForward::Dense(mlp) => {
+                    backend.matmul(&ws.h, &mlp.gate_up, &mut ws.gate_up);
+                    backend.silu_mul(&ws.gate_up, &mut ws.act);
+                    backend.matmul(&ws.act, &mlp.down, &mut ws.proj);
+                }
+                FeedForward::Moe(moe) => {
+                    let cfg = c.moe.as_ref().ok_or_else(|| {
+                        Error::InvalidRequest("a MoE layer without a MoE config".into())
+                    })?;
+                    moe.forward(backend, cfg, &ws.h, n, c.hidden_size, &mut ws.proj);
+                }
+            }
             reduce(ws)?;
             backend.add(&mut ws.x, &ws.proj);
         }

@@ -1,8 +1,12 @@
-//! Model definitions. One transformer family today: Llama and its close relatives.
+//! Model definitions: the Llama-family decoder (`llama`), whose layers take multi-head latent
+//! attention (`mla`) and mixture-of-experts feed-forwards (`moe`) for the DeepSeek-V3 family, and
+//! EAGLE-3 draft heads (`eagle3`).
 
 pub mod config;
 pub mod eagle3;
 pub mod llama;
+pub mod mla;
+pub mod moe;
 
 pub use config::{Architecture, ModelConfig, RopeLayout};
 pub use eagle3::{DraftInput, DraftOutput, DraftWorkspace, Eagle3Config, Eagle3Draft};

@@ -91,6 +91,9 @@ mod tests {
             tied_embeddings: true,
             qkv_bias: false,
             qk_norm: false,
+            yarn: None,
+            mla: None,
+            moe: None,
         }
     }
 

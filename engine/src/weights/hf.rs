@@ -1,5 +1,8 @@
 //! Hugging Face model directories: `config.json`, `tokenizer.json`, and the weights as one
 //! `model.safetensors` or shards listed in `model.safetensors.index.json`.
+//!
+//! Two quantized checkpoint layouts are dequantized to f32 when a weight is read (`quantized`):
+//! DeepSeek-V3's block FP8 and compressed-tensors' packed INT4 (Kimi-K2-Thinking's experts).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -26,6 +29,8 @@ struct Entry {
 enum Stored {
     Float(DType),
     I64,
+    I32,
+    F8E4M3,
     Other(safetensors::Dtype),
 }
 
@@ -34,6 +39,7 @@ pub struct HfDir {
     pub dir: PathBuf,
     files: Vec<(PathBuf, Arc<Mmap>)>,
     tensors: HashMap<String, Entry>,
+    quant: super::quantized::Scheme,
 }
 
 #[derive(serde::Deserialize)]
@@ -81,6 +87,8 @@ impl HfDir {
                     safetensors::Dtype::F16 => Stored::Float(DType::F16),
                     safetensors::Dtype::BF16 => Stored::Float(DType::BF16),
                     safetensors::Dtype::I64 => Stored::I64,
+                    safetensors::Dtype::I32 => Stored::I32,
+                    safetensors::Dtype::F8_E4M3 => Stored::F8E4M3,
                     other => Stored::Other(other),
                 };
                 let data = view.data();
@@ -97,18 +105,72 @@ impl HfDir {
             }
             files.push((path, Arc::new(mmap)));
         }
+        let quant = super::quantized::Scheme::from_config(&dir.join("config.json"))?;
         Ok(HfDir {
             dir,
             files,
             tensors,
+            quant,
         })
     }
 
     pub fn has_tensor(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.tensors.contains_key(name) || self.packed_base(name).is_some()
+    }
+
+    /// `X` for a weight `X.weight` stored packed as `X.weight_packed` (compressed-tensors).
+    fn packed_base<'a>(&self, name: &'a str) -> Option<&'a str> {
+        let base = name.strip_suffix(".weight")?;
+        self.tensors
+            .contains_key(&format!("{base}.weight_packed"))
+            .then_some(base)
+    }
+
+    /// A stored tensor's raw bytes, its element type and shape.
+    fn raw(&self, name: &str) -> Result<(&Path, &[u8], Stored, &[usize])> {
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::tensor(&self.dir, name, "missing from the safetensors files"))?;
+        let (path, mmap) = &self.files[e.file];
+        Ok((
+            path,
+            &mmap[e.offset..e.offset + e.n_bytes],
+            e.dtype,
+            &e.shape,
+        ))
+    }
+
+    /// A float tensor's values (for scales).
+    fn floats(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let (path, bytes, dtype, shape) = self.raw(name)?;
+        let Stored::Float(d) = dtype else {
+            return Err(Error::tensor(path, name, "must be a float tensor"));
+        };
+        let mut out = vec![0f32; shape.iter().product()];
+        super::dtype::dequantize(d, bytes, &mut out);
+        Ok((out, shape.to_vec()))
+    }
+
+    /// A 32-bit integer tensor's values.
+    fn int32s(&self, name: &str) -> Result<(Vec<i32>, Vec<usize>)> {
+        let (path, bytes, dtype, shape) = self.raw(name)?;
+        if !matches!(dtype, Stored::I32) {
+            return Err(Error::tensor(path, name, "must be an int32 tensor"));
+        }
+        let v = bytes
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok((v, shape.to_vec()))
     }
 
     pub fn view(&self, name: &str) -> Result<TensorView> {
+        if !self.tensors.contains_key(name)
+            && let Some(base) = self.packed_base(name)
+        {
+            return self.packed_int4(name, base);
+        }
         let e = self
             .tensors
             .get(name)
@@ -116,7 +178,10 @@ impl HfDir {
         let (path, mmap) = &self.files[e.file];
         let dtype = match e.dtype {
             Stored::Float(d) => d,
-            Stored::I64 => return Err(Error::tensor(path, name, "is an integer tensor")),
+            Stored::F8E4M3 => return self.block_fp8(name),
+            Stored::I64 | Stored::I32 => {
+                return Err(Error::tensor(path, name, "is an integer tensor"));
+            }
             Stored::Other(d) => {
                 return Err(Error::tensor(
                     path,
@@ -134,6 +199,79 @@ impl HfDir {
             offset: e.offset,
             n_bytes: e.n_bytes,
         })
+    }
+
+    /// DeepSeek-V3's FP8 weight: e4m3 values times `{name}_scale_inv`, one f32 per block of
+    /// `weight_block_size` (from config.json's `quantization_config`).
+    fn block_fp8(&self, name: &str) -> Result<TensorView> {
+        let (path, bytes, _, shape) = self.raw(name)?;
+        let path = path.to_path_buf();
+        let [rows, cols] = *shape else {
+            return Err(Error::tensor(&path, name, "an FP8 weight must be a matrix"));
+        };
+        let block = self.quant.fp8_block.ok_or_else(|| {
+            Error::tensor(
+                &path,
+                name,
+                "is FP8 but config.json has no quantization_config.weight_block_size",
+            )
+        })?;
+        let scale_name = format!("{name}_scale_inv");
+        let (scales, scale_shape) = self.floats(&scale_name)?;
+        let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+        if scale_shape != want {
+            return Err(Error::tensor(
+                &path,
+                &scale_name,
+                format!("shape {scale_shape:?}, blocks of {block:?} need {want:?}"),
+            ));
+        }
+        let values = super::quantized::dequantize_block_fp8(bytes, rows, cols, block, &scales);
+        TensorView::from_f32(name.to_string(), path, vec![rows, cols], &values)
+    }
+
+    /// compressed-tensors' pack-quantized INT4 weight: `X.weight_packed` (eight 4-bit values per
+    /// int32, low bits first, offset by 8), `X.weight_scale` per group, `X.weight_shape`.
+    fn packed_int4(&self, name: &str, base: &str) -> Result<TensorView> {
+        let packed_name = format!("{base}.weight_packed");
+        let (path, ..) = self.raw(&packed_name)?;
+        let path = path.to_path_buf();
+        let (packed, packed_shape) = self.int32s(&packed_name)?;
+        let (shape, _) = self.int32s(&format!("{base}.weight_shape"))?;
+        let (scales, scale_shape) = self.floats(&format!("{base}.weight_scale"))?;
+        let bits = self.quant.int_bits.unwrap_or(4);
+        if bits != 4 {
+            return Err(Error::tensor(
+                &path,
+                &packed_name,
+                format!("{bits}-bit packing is not supported (4-bit only)"),
+            ));
+        }
+        let (rows, cols) = match shape.as_slice() {
+            [r, c] if *r > 0 && *c > 0 => (*r as usize, *c as usize),
+            s => {
+                return Err(Error::tensor(
+                    &path,
+                    format!("{base}.weight_shape"),
+                    format!("{s:?} is not a matrix shape"),
+                ));
+            }
+        };
+        let group = self.quant.group_size.unwrap_or(cols);
+        let bad = |what: String| Error::tensor(&path, &packed_name, what);
+        if packed_shape != [rows, cols.div_ceil(8)] {
+            return Err(bad(format!(
+                "shape {packed_shape:?}, a [{rows}, {cols}] weight packs into [{rows}, {}]",
+                cols.div_ceil(8)
+            )));
+        }
+        if group == 0 || scale_shape != [rows, cols.div_ceil(group)] {
+            return Err(bad(format!(
+                "scales of shape {scale_shape:?} do not fit groups of {group} in [{rows}, {cols}]"
+            )));
+        }
+        let values = super::quantized::dequantize_packed_int4(&packed, rows, cols, group, &scales);
+        TensorView::from_f32(name.to_string(), path, vec![rows, cols], &values)
     }
 
     /// A 64-bit integer tensor's values (little-endian, as safetensors stores them).

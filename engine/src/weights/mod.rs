@@ -4,6 +4,7 @@
 pub mod dtype;
 pub mod gguf;
 pub mod hf;
+pub mod quantized;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -122,6 +123,32 @@ impl TensorView {
             n_bytes: bytes.len(),
             mmap: Arc::new(mmap),
             offset: 0,
+        })
+    }
+
+    /// An f32 tensor built in memory (a transposed or dequantized copy of stored weights); `path`
+    /// and `name` say where it came from in errors.
+    pub fn from_f32(
+        name: String,
+        path: PathBuf,
+        shape: Vec<usize>,
+        values: &[f32],
+    ) -> Result<TensorView> {
+        let n_bytes = values.len() * 4;
+        let mut map =
+            memmap2::MmapMut::map_anon(n_bytes.max(1)).map_err(|e| Error::io(&path, e))?;
+        for (dst, v) in map.chunks_exact_mut(4).zip(values) {
+            dst.copy_from_slice(&v.to_le_bytes());
+        }
+        let mmap = map.make_read_only().map_err(|e| Error::io(&path, e))?;
+        Ok(TensorView {
+            name,
+            path,
+            dtype: DType::F32,
+            shape,
+            mmap: Arc::new(mmap),
+            offset: 0,
+            n_bytes,
         })
     }
 

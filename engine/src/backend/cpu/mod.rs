@@ -206,8 +206,8 @@ impl Backend for CpuBackend {
             let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
             for i in 0..half {
                 let a = p * spec.inv_freq[i];
-                cos[i] = a.cos();
-                sin[i] = a.sin();
+                cos[i] = a.cos() * spec.attention_factor;
+                sin[i] = a.sin() * spec.attention_factor;
             }
             for h in 0..n_heads {
                 let head =
@@ -285,6 +285,49 @@ impl Backend for CpuBackend {
     fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer) {
         for (a, b) in x.data.iter_mut().zip(&y.data) {
             *a += b;
+        }
+    }
+
+    fn copy_columns(
+        &self,
+        src: &CpuBuffer,
+        src_col: usize,
+        dst: &mut CpuBuffer,
+        dst_col: usize,
+        width: usize,
+    ) {
+        debug_assert_eq!(src.rows, dst.rows);
+        let (sc, dc) = (src.cols, dst.cols);
+        for (s, d) in src.data.chunks_exact(sc).zip(dst.data.chunks_exact_mut(dc)) {
+            d[dst_col..dst_col + width].copy_from_slice(&s[src_col..src_col + width]);
+        }
+    }
+
+    fn scale_columns(&self, x: &mut CpuBuffer, col: usize, width: usize, factor: f32) {
+        let cols = x.cols;
+        for row in x.data.chunks_exact_mut(cols) {
+            for v in &mut row[col..col + width] {
+                *v *= factor;
+            }
+        }
+    }
+
+    fn scatter_add_rows(
+        &self,
+        dst: &mut CpuBuffer,
+        rows: &[usize],
+        src: &CpuBuffer,
+        weights: &[f32],
+    ) {
+        let cols = dst.cols;
+        for ((&r, w), s) in rows
+            .iter()
+            .zip(weights)
+            .zip(src.data.chunks_exact(src.cols))
+        {
+            for (d, v) in dst.data[r * cols..(r + 1) * cols].iter_mut().zip(s) {
+                *d += w * v;
+            }
         }
     }
 

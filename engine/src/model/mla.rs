@@ -1,0 +1,187 @@
+//! Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; transformers' `DeepseekV3Attention` is the
+//! reference). Each token's keys and values are compressed into one latent of `kv_lora_rank`
+//! values (after its RMSNorm) plus one rotary key of `qk_rope_head_dim` shared by all heads; the
+//! paged KV cache holds exactly that row, `[k_pe | latent]`, as a single KV head.
+//!
+//! Attention runs in the absorbed form: the up-projection of the keys (`W_UK`, per head) is folded
+//! into the query (`q_latent = W_UK^T q_nope`), so each head scores `[q_pe | q_latent]` against
+//! the cached `[k_pe | latent]` rows directly, and the up-projection of the values (`W_UV`) is
+//! applied after attention to each head's weighted latent. This is multi-query attention over
+//! the compressed cache, so the backend's ordinary paged attention op computes it (tree masks,
+//! KV moves and all), with the queries pre-scaled to MLA's softmax scale. The cache's V half
+//! holds the latent again: kiln's KV store keeps K and V separately (K transposed per block),
+//! so MLA stores 2 x (rope + rank) values per token per layer instead of the minimum 1x.
+
+use super::config::MlaConfig;
+use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
+use crate::error::Result;
+use crate::weights::TensorView;
+
+/// The query projection: one matrix, or DeepSeek-V3's low-rank pair with an RMSNorm between.
+enum QueryProj<B: Backend> {
+    Direct(B::Matrix),
+    LowRank {
+        a: B::Matrix,
+        norm: B::Vector,
+        b: B::Matrix,
+    },
+}
+
+pub struct MlaWeights<B: Backend> {
+    q: QueryProj<B>,
+    /// `kv_a_proj_with_mqa`: `[latent (rank) | k_pe (rope)]` from the hidden state.
+    kv_a: B::Matrix,
+    kv_a_norm: B::Vector,
+    /// Per local head, `W_UK^T` as a `[rank, nope]` matrix: `q_latent = q_nope W_UK`.
+    uk: Vec<B::Matrix>,
+    /// Per local head, `W_UV` as a `[v_head_dim, rank]` matrix.
+    uv: Vec<B::Matrix>,
+    o: B::Matrix,
+}
+
+/// Where the queries come from: `q_proj` (`[heads * qk_head_dim, hidden]`), or `q_a_proj`,
+/// `q_a_layernorm` and `q_b_proj`.
+pub enum QueryTensors {
+    Direct(TensorView),
+    LowRank(Box<[TensorView; 3]>),
+}
+
+/// Tensors of one MLA layer as the loader found them (already sliced to the rank's heads).
+pub struct MlaTensors {
+    pub q: QueryTensors,
+    pub kv_a: TensorView,
+    pub kv_a_norm: TensorView,
+    /// `kv_b_proj` rows of the rank's heads: `[heads * (nope + v), rank]`.
+    pub kv_b: TensorView,
+    pub o: TensorView,
+}
+
+impl<B: Backend> MlaWeights<B> {
+    pub fn load(
+        backend: &B,
+        m: &MlaConfig,
+        t: MlaTensors,
+        n_heads: usize,
+        precision: Precision,
+    ) -> Result<Self> {
+        let q = match t.q {
+            QueryTensors::LowRank(parts) => {
+                let [a, norm, b] = *parts;
+                QueryProj::LowRank {
+                    a: backend.matrix(&[a], precision)?,
+                    norm: backend.vector(&norm)?,
+                    b: backend.matrix(&[b], precision)?,
+                }
+            }
+            QueryTensors::Direct(w) => QueryProj::Direct(backend.matrix(&[w], precision)?),
+        };
+        let (r, nope, v) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
+        let kv_b = t.kv_b.to_f32();
+        let per_head = nope + v;
+        let (mut uk, mut uv) = (Vec::with_capacity(n_heads), Vec::with_capacity(n_heads));
+        for h in 0..n_heads {
+            let rows = &kv_b[h * per_head * r..(h + 1) * per_head * r];
+            // W_UK_h is rows [0, nope) of this head's block, [nope, rank]; store its transpose.
+            let mut uk_t = vec![0f32; r * nope];
+            for i in 0..nope {
+                for j in 0..r {
+                    uk_t[j * nope + i] = rows[i * r + j];
+                }
+            }
+            let name = |what: &str| format!("{}[head {h} {what}]", t.kv_b.name);
+            let uk_view =
+                TensorView::from_f32(name("W_UK^T"), t.kv_b.path.clone(), vec![r, nope], &uk_t)?;
+            let uv_view = TensorView::from_f32(
+                name("W_UV"),
+                t.kv_b.path.clone(),
+                vec![v, r],
+                &rows[nope * r..],
+            )?;
+            uk.push(backend.matrix(&[uk_view], precision)?);
+            uv.push(backend.matrix(&[uv_view], precision)?);
+        }
+        Ok(MlaWeights {
+            q,
+            kv_a: backend.matrix(&[t.kv_a], precision)?,
+            kv_a_norm: backend.vector(&t.kv_a_norm)?,
+            uk,
+            uv,
+            o: backend.matrix(&[t.o], precision)?,
+        })
+    }
+
+    /// Attention of one layer: `h` is the normed hidden state `[n, hidden]`; `out` gets the output
+    /// projection's (partial, under tensor parallelism) result `[n, hidden]`. `rope` rotates the
+    /// leading `qk_rope_head_dim` of `qk_rope_head_dim + kv_lora_rank`-wide heads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        backend: &B,
+        m: &MlaConfig,
+        eps: f32,
+        rope: &RopeSpec,
+        h: &B::Buffer,
+        positions: &[usize],
+        kv: &mut B::KvStore,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+        out: &mut B::Buffer,
+    ) {
+        let n = positions.len();
+        let n_heads = self.uk.len();
+        let (r, p, nope, v) = (
+            m.kv_lora_rank,
+            m.qk_rope_head_dim,
+            m.qk_nope_head_dim,
+            m.v_head_dim,
+        );
+        let head = p + r;
+        let q_head = nope + p;
+        let mut q = backend.buffer(0, 0);
+        match &self.q {
+            QueryProj::Direct(w) => backend.matmul(h, w, &mut q),
+            QueryProj::LowRank { a, norm, b } => {
+                let (mut qa, mut qn) = (backend.buffer(0, 0), backend.buffer(0, 0));
+                backend.matmul(h, a, &mut qa);
+                backend.rms_norm(&qa, norm, eps, &mut qn);
+                backend.matmul(&qn, b, &mut q);
+            }
+        }
+        let mut ckv = backend.buffer(0, 0);
+        backend.matmul(h, &self.kv_a, &mut ckv);
+        let mut latent = backend.buffer(n, r);
+        backend.copy_columns(&ckv, 0, &mut latent, 0, r);
+        let mut latent_normed = backend.buffer(0, 0);
+        backend.rms_norm(&latent, &self.kv_a_norm, eps, &mut latent_normed);
+
+        // [q heads of (pe | latent) | k = (pe | latent) | v = (0 | latent)]
+        let q_width = n_heads * head;
+        let mut qkv = backend.buffer(n, q_width + 2 * head);
+        backend.copy_columns(&ckv, r, &mut qkv, q_width, p);
+        backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + p, r);
+        backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + head + p, r);
+        let (mut q_nope, mut q_latent) = (backend.buffer(n, nope), backend.buffer(0, 0));
+        for (i, uk) in self.uk.iter().enumerate() {
+            backend.copy_columns(&q, i * q_head + nope, &mut qkv, i * head, p);
+            backend.copy_columns(&q, i * q_head, &mut q_nope, 0, nope);
+            backend.matmul(&q_nope, uk, &mut q_latent);
+            backend.copy_columns(&q_latent, 0, &mut qkv, i * head + p, r);
+        }
+        backend.rope(&mut qkv, 0, n_heads, positions, rope);
+        backend.rope(&mut qkv, q_width, 1, positions, rope);
+        // The attention op scales by 1/sqrt(head width); MLA's scale is over the uncompressed
+        // query width (and YaRN's mscale).
+        backend.scale_columns(&mut qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt());
+        let mut attn = backend.buffer(0, 0);
+        backend.attention(&qkv, kv, layer, spans, n_heads, 1, head, &mut attn);
+
+        let mut values = backend.buffer(n, n_heads * v);
+        let (mut head_latent, mut head_value) = (backend.buffer(n, r), backend.buffer(0, 0));
+        for (i, uv) in self.uv.iter().enumerate() {
+            backend.copy_columns(&attn, i * head + p, &mut head_latent, 0, r);
+            backend.matmul(&head_latent, uv, &mut head_value);
+            backend.copy_columns(&head_value, 0, &mut values, i * v, v);
+        }
+        backend.matmul(&values, &self.o, out);
+    }
+}

@@ -1,0 +1,213 @@
+//! The DeepSeek-V3 architecture (multi-head latent attention + mixture of experts, as DeepSeek-V3
+//! and Kimi-K2 use it) against transformers' `DeepseekV3ForCausalLM`, on the tiny random models
+//! written by `tests/reference/make_tiny_deepseek.py`: float32, block-FP8 (DeepSeek-V3's
+//! checkpoint layout) and compressed-tensors INT4 experts (Kimi-K2-Thinking's). Logits at two
+//! prompt positions, the greedy continuation through the paged cache (prefill, then one-token
+//! decode steps over the cached latents), the router's decisions, and tensor parallelism
+//! (heads and experts split over 2 and 4 rank threads) against the whole model.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kiln::backend::cpu::CpuBackend;
+use kiln::backend::{Backend, Precision, SeqSpan};
+use kiln::generate::{GenerateOptions, SingleSequence};
+use kiln::kv_cache::{BlockAllocator, SeqBlocks};
+use kiln::load::{LoadedModel, load_model, open_weights};
+use kiln::model::moe::route;
+use kiln::model::{ForwardBatch, Workspace};
+use kiln::parallel::tp::{TpOptions, greedy};
+
+fn fixture_dir(case: &serde_json::Value) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(case["dir"].as_str().expect("dir"))
+}
+
+fn ids(case: &serde_json::Value, k: &str) -> Vec<u32> {
+    serde_json::from_value(case[k].clone()).expect("ids")
+}
+
+fn floats(case: &serde_json::Value, k: &str) -> Vec<f32> {
+    serde_json::from_value(case[k].clone()).expect("floats")
+}
+
+fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) -> Vec<Vec<f32>> {
+    let c = m.config();
+    let n = tokens.len();
+    let mut alloc = BlockAllocator::new(n.div_ceil(16), 16);
+    let mut seq = SeqBlocks::default();
+    seq.reserve(&mut alloc, n).expect("kv");
+    let mut kv = m
+        .backend
+        .kv_store(c.n_layers, n.div_ceil(16), 16, c.kv_width());
+    let positions: Vec<usize> = (0..n).collect();
+    let spans = [SeqSpan {
+        first_token: 0,
+        n_tokens: n,
+        start_pos: 0,
+        block_table: &seq.table,
+        tree: None,
+    }];
+    let batch = ForwardBatch {
+        tokens,
+        positions: &positions,
+        spans: &spans,
+        logit_rows: rows,
+    };
+    let out = m
+        .model
+        .forward(&m.backend, &mut kv, &batch, &mut Workspace::new(&m.backend))
+        .expect("forward");
+    out.chunks(c.vocab_size).map(|r| r.to_vec()).collect()
+}
+
+fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
+    let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+    ours.iter()
+        .zip(reference)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale
+}
+
+fn models() -> Vec<serde_json::Value> {
+    let f = common::fixture("tiny-deepseek.json");
+    let models = f["models"].as_array().expect("models").clone();
+    assert_eq!(models.len(), 3);
+    models
+}
+
+#[test]
+fn logits_and_greedy_tokens_match_transformers() {
+    for case in models() {
+        let name = case["name"].as_str().expect("name");
+        let dir = common::tiny_with_tokenizer(name);
+        let m = load_model(CpuBackend::new(), &dir, Precision::Exact, |_, _| {}).expect("load");
+        let prompt = ids(&case, "prompt_ids");
+        let got = logits_at(&m, &prompt, &[10, prompt.len() - 1]);
+        let (mid, last) = (
+            rel_err(&got[0], &floats(&case, "mid_logits")),
+            rel_err(&got[1], &floats(&case, "last_logits")),
+        );
+        assert!(
+            mid < 1e-4 && last < 1e-4,
+            "{name}: logit errors {mid:e} (pos 10), {last:e} (last)"
+        );
+        let greedy = ids(&case, "greedy_ids");
+        let opts = GenerateOptions {
+            max_tokens: greedy.len(),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let out = SingleSequence::new(&m, 64)
+            .generate(&m, &prompt, &opts, |_| {})
+            .expect("generate")
+            .ids();
+        assert_eq!(out, greedy, "{name}: greedy tokens");
+        eprintln!(
+            "{name}: logits within {mid:.1e} / {last:.1e}, {} greedy tokens equal",
+            out.len()
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn router_choices_and_weights_match_transformers() {
+    for case in models() {
+        let name = case["name"].as_str().expect("name");
+        let r = &case["routing"];
+        let layer = r["layer"].as_u64().expect("layer");
+        let (store, config) = open_weights(&fixture_dir(&case)).expect("open");
+        let moe = config.moe.expect("a MoE config");
+        let w = store
+            .get(&format!("model.layers.{layer}.mlp.gate.weight"))
+            .expect("router")
+            .to_f32();
+        let bias = store
+            .get(&format!(
+                "model.layers.{layer}.mlp.gate.e_score_correction_bias"
+            ))
+            .expect("bias")
+            .to_f32();
+        let hidden: Vec<Vec<f32>> = serde_json::from_value(r["hidden"].clone()).expect("hidden");
+        let experts: Vec<Vec<usize>> =
+            serde_json::from_value(r["experts"].clone()).expect("experts");
+        let weights: Vec<Vec<f32>> = serde_json::from_value(r["weights"].clone()).expect("weights");
+        let h = config.hidden_size;
+        for (t, x) in hidden.iter().enumerate() {
+            let logits: Vec<f32> = w
+                .chunks(h)
+                .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
+                .collect();
+            let mut got = route(&moe, &logits, &bias);
+            got.sort_by_key(|g| g.0);
+            let got_experts: Vec<usize> = got.iter().map(|g| g.0).collect();
+            assert_eq!(got_experts, experts[t], "{name}: token {t} experts");
+            for (g, want) in got.iter().zip(&weights[t]) {
+                assert!(
+                    (g.1 - want).abs() < 1e-5,
+                    "{name}: token {t} weights {got:?} vs {:?}",
+                    weights[t]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn heads_and_experts_split_over_2_and_4_ranks_match_the_whole_model() {
+    for case in models() {
+        let name = case["name"].as_str().expect("name");
+        let path = fixture_dir(&case);
+        let prompt = ids(&case, "prompt_ids");
+        let reference = ids(&case, "greedy_ids");
+        let run = |world| {
+            let opts = TpOptions {
+                world,
+                precision: Precision::Exact,
+                threads_per_rank: 1,
+                timeout: Duration::from_secs(300),
+            };
+            greedy(&path, opts, &prompt, reference.len())
+                .unwrap_or_else(|e| panic!("{name}, TP={world}: {e}"))
+        };
+        let whole = run(1);
+        assert_eq!(whole.tokens, reference, "{name}: TP=1 vs transformers");
+        for world in [2, 4] {
+            let split = run(world);
+            assert_eq!(split.tokens, whole.tokens, "{name}: TP={world} vs TP=1");
+            for (a, b) in split.logits.iter().zip(&whole.logits) {
+                let e = rel_err(a, b);
+                assert!(e < 1e-4, "{name}: TP={world} logits differ by {e:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_quantized_checkpoint_with_a_broken_scale_is_refused_by_name() {
+    // The FP8 model's config without its block size: the first FP8 weight must say what is
+    // missing, naming the tensor.
+    let case = &models()[1];
+    let src = fixture_dir(case);
+    let dst = std::env::temp_dir().join(format!("kiln-fp8-noblock-{}", std::process::id()));
+    std::fs::create_dir_all(&dst).expect("dir");
+    std::fs::copy(src.join("model.safetensors"), dst.join("model.safetensors")).expect("copy");
+    let mut conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("read"))
+            .expect("json");
+    conf["quantization_config"]
+        .as_object_mut()
+        .expect("quantization_config")
+        .remove("weight_block_size");
+    std::fs::write(dst.join("config.json"), conf.to_string()).expect("write");
+    let err = match open_weights(&dst) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a config without weight_block_size was accepted"),
+    };
+    assert!(err.contains("weight_block_size"), "{err}");
+    let _ = std::fs::remove_dir_all(&dst);
+}
