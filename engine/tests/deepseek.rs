@@ -16,6 +16,7 @@ use kiln::backend::{Backend, Precision, SeqSpan};
 use kiln::generate::{GenerateOptions, SingleSequence};
 use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::load::{LoadedModel, load_model, open_weights};
+use kiln::model::mla::MlaForm;
 use kiln::model::moe::route;
 use kiln::model::{ForwardBatch, Workspace};
 use kiln::parallel::tp::{TpOptions, greedy};
@@ -110,6 +111,31 @@ fn logits_and_greedy_tokens_match_transformers() {
             "{name}: logits within {mid:.1e} / {last:.1e}, {} greedy tokens equal",
             out.len()
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn explicit_prefill_equals_absorbed_attention() {
+    for case in models() {
+        let name = case["name"].as_str().expect("name");
+        let dir = common::tiny_with_tokenizer(name);
+        let mut m = load_model(CpuBackend::new(), &dir, Precision::Exact, |_, _| {}).expect("load");
+        let prompt = ids(&case, "prompt_ids");
+        let rows: Vec<usize> = (0..prompt.len()).collect();
+        m.model.mla_form = MlaForm::Explicit;
+        let explicit = logits_at(&m, &prompt, &rows);
+        m.model.mla_form = MlaForm::Absorbed;
+        let absorbed = logits_at(&m, &prompt, &rows);
+        for (t, (e, a)) in explicit.iter().zip(&absorbed).enumerate() {
+            let err = rel_err(e, a);
+            assert!(
+                err < 1e-5,
+                "{name}: position {t}: explicit vs absorbed {err:e}"
+            );
+        }
+        let last = rel_err(&explicit[prompt.len() - 1], &floats(&case, "last_logits"));
+        assert!(last < 1e-4, "{name}: explicit vs transformers {last:e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -150,6 +150,17 @@ pub trait Backend: Send + Sync {
         head_dim: usize,
         out: &mut Self::Buffer,
     );
+    /// Stores the K and V rows of this batch (`qkv` holds `[q (q_width) | k | v]` per token, K
+    /// and V as wide as the store's rows) into their slots, without attending: MLA's explicit
+    /// prefill attends over decompressed keys but caches the latent.
+    fn store_kv(
+        &self,
+        qkv: &Self::Buffer,
+        kv: &mut Self::KvStore,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+        q_width: usize,
+    );
     /// Moves cached K/V entries of one sequence in every layer: for each `(from, to)`, in order,
     /// position `to` gets what position `from` held (tree verification keeps the accepted path).
     fn move_kv(&self, kv: &mut Self::KvStore, block_table: &[u32], moves: &[(usize, usize)]);

@@ -6,7 +6,7 @@
 //! sequences of different lengths in one step.
 
 use super::config::{ModelConfig, RopeLayout};
-use super::mla::{MlaTensors, MlaWeights, QueryTensors};
+use super::mla::{MlaForm, MlaTensors, MlaWeights, QueryTensors};
 use super::moe::{Expert, MoeWeights};
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
@@ -54,6 +54,8 @@ pub struct Llama<B: Backend> {
     /// Attention and KV heads this rank computes (all of them without tensor parallelism).
     local_heads: usize,
     local_kv_heads: usize,
+    /// Multi-head latent attention's form (explicit prefill, absorbed decode by default).
+    pub mla_form: MlaForm,
 }
 
 /// One step's worth of tokens from one or more sequences.
@@ -378,6 +380,7 @@ impl<B: Backend> Llama<B> {
             rope,
             local_heads: plan.q_heads.len(),
             local_kv_heads: plan.kv_heads.len(),
+            mla_form: MlaForm::Auto,
         })
     }
 
@@ -635,6 +638,7 @@ impl<B: Backend> Llama<B> {
                         kv,
                         li,
                         batch.spans,
+                        self.mla_form,
                         &mut ws.proj,
                     );
                 }

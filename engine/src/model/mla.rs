@@ -36,7 +36,20 @@ pub struct MlaWeights<B: Backend> {
     uk: Vec<B::Matrix>,
     /// Per local head, `W_UV` as a `[v_head_dim, rank]` matrix.
     uv: Vec<B::Matrix>,
+    /// `kv_b_proj` whole (the rank's heads): the explicit form decompresses keys and values.
+    kv_b: B::Matrix,
     o: B::Matrix,
+}
+
+/// Which form a step's attention takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MlaForm {
+    /// Explicit for steps whose sequences all start from an empty cache with more than one
+    /// token and no tree (prefill), absorbed otherwise (decode, chunked prefill, verification).
+    #[default]
+    Auto,
+    Absorbed,
+    Explicit,
 }
 
 /// Where the queries come from: `q_proj` (`[heads * qk_head_dim, hidden]`), or `q_a_proj`,
@@ -76,11 +89,11 @@ impl<B: Backend> MlaWeights<B> {
             QueryTensors::Direct(w) => QueryProj::Direct(backend.matrix(&[w], precision)?),
         };
         let (r, nope, v) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
-        let kv_b = t.kv_b.to_f32();
+        let kv_b_values = t.kv_b.to_f32();
         let per_head = nope + v;
         let (mut uk, mut uv) = (Vec::with_capacity(n_heads), Vec::with_capacity(n_heads));
         for h in 0..n_heads {
-            let rows = &kv_b[h * per_head * r..(h + 1) * per_head * r];
+            let rows = &kv_b_values[h * per_head * r..(h + 1) * per_head * r];
             // W_UK_h is rows [0, nope) of this head's block, [nope, rank]; store its transpose.
             let mut uk_t = vec![0f32; r * nope];
             for i in 0..nope {
@@ -106,6 +119,7 @@ impl<B: Backend> MlaWeights<B> {
             kv_a_norm: backend.vector(&t.kv_a_norm)?,
             uk,
             uv,
+            kv_b: backend.matrix(&[t.kv_b], precision)?,
             o: backend.matrix(&[t.o], precision)?,
         })
     }
@@ -125,6 +139,7 @@ impl<B: Backend> MlaWeights<B> {
         kv: &mut B::KvStore,
         layer: usize,
         spans: &[SeqSpan<'_>],
+        form: MlaForm,
         out: &mut B::Buffer,
     ) {
         let n = positions.len();
@@ -172,6 +187,30 @@ impl<B: Backend> MlaWeights<B> {
         // The attention op scales by 1/sqrt(head width); MLA's scale is over the uncompressed
         // query width (and YaRN's mscale).
         backend.scale_columns(&mut qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt());
+        let fresh = spans
+            .iter()
+            .all(|s| s.start_pos == 0 && s.tree.is_none() && s.n_tokens > 1);
+        let explicit = match form {
+            MlaForm::Auto => fresh && v <= q_head,
+            MlaForm::Absorbed => false,
+            MlaForm::Explicit => fresh && v <= q_head,
+        };
+        if explicit {
+            backend.store_kv(&qkv, kv, layer, spans, q_width);
+            let values = self.explicit(
+                backend,
+                m,
+                rope,
+                &q,
+                &latent_normed,
+                &qkv,
+                q_width,
+                positions,
+                spans,
+            );
+            backend.matmul(&values, &self.o, out);
+            return;
+        }
         let mut attn = backend.buffer(0, 0);
         backend.attention(&qkv, kv, layer, spans, n_heads, 1, head, &mut attn);
 
@@ -183,5 +222,82 @@ impl<B: Backend> MlaWeights<B> {
             backend.copy_columns(&head_value, 0, &mut values, i * v, v);
         }
         backend.matmul(&values, &self.o, out);
+    }
+
+    /// The explicit form: keys and values decompressed per head (`kv_b_proj` on the latents),
+    /// ordinary multi-head attention over this step's own tokens (every span starts at position
+    /// 0, so they are all it needs) in a scratch store. Heads are laid out `[pe | nope]` so the
+    /// rope op rotates their leading dimensions, and V is zero-padded to the key width.
+    #[allow(clippy::too_many_arguments)]
+    fn explicit(
+        &self,
+        backend: &B,
+        m: &MlaConfig,
+        rope: &RopeSpec,
+        q: &B::Buffer,
+        latent_normed: &B::Buffer,
+        absorbed: &B::Buffer,
+        k_col: usize,
+        positions: &[usize],
+        spans: &[SeqSpan<'_>],
+    ) -> B::Buffer {
+        let n = positions.len();
+        let n_heads = self.uk.len();
+        let (p, nope, v) = (m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim);
+        let qd = nope + p;
+        let width = n_heads * qd;
+        let mut kvd = backend.buffer(0, 0);
+        backend.matmul(latent_normed, &self.kv_b, &mut kvd);
+        let mut qkv = backend.buffer(n, 3 * width);
+        for i in 0..n_heads {
+            backend.copy_columns(q, i * qd + nope, &mut qkv, i * qd, p);
+            backend.copy_columns(q, i * qd, &mut qkv, i * qd + p, nope);
+            // The rotary key, already rotated in the absorbed layout's K.
+            backend.copy_columns(absorbed, k_col, &mut qkv, width + i * qd, p);
+            backend.copy_columns(&kvd, i * (nope + v), &mut qkv, width + i * qd + p, nope);
+            backend.copy_columns(&kvd, i * (nope + v) + nope, &mut qkv, 2 * width + i * qd, v);
+        }
+        let spec = RopeSpec {
+            head_dim: qd,
+            ..rope.clone()
+        };
+        backend.rope(&mut qkv, 0, n_heads, positions, &spec);
+        backend.scale_columns(&mut qkv, 0, width, m.softmax_scale * (qd as f32).sqrt());
+        const BLOCK: usize = 16;
+        let tables: Vec<Vec<u32>> = spans
+            .iter()
+            .scan(0u32, |next, s| {
+                let blocks = s.n_tokens.div_ceil(BLOCK) as u32;
+                let t = (*next..*next + blocks).collect();
+                *next += blocks;
+                Some(t)
+            })
+            .collect();
+        let total: usize = tables.iter().map(|t| t.len()).sum();
+        let mut scratch = backend.kv_store(1, total, BLOCK, width);
+        let local: Vec<SeqSpan<'_>> = spans
+            .iter()
+            .zip(&tables)
+            .map(|(s, t)| SeqSpan {
+                block_table: t,
+                ..s.clone()
+            })
+            .collect();
+        let mut attn = backend.buffer(0, 0);
+        backend.attention(
+            &qkv,
+            &mut scratch,
+            0,
+            &local,
+            n_heads,
+            n_heads,
+            qd,
+            &mut attn,
+        );
+        let mut values = backend.buffer(n, n_heads * v);
+        for i in 0..n_heads {
+            backend.copy_columns(&attn, i * qd, &mut values, i * v, v);
+        }
+        values
     }
 }

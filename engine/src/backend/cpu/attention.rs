@@ -69,6 +69,29 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+/// Writes the K and V rows of every span's tokens (`[q (q_width) | k | v]` rows) to the cache.
+pub fn store_kv(
+    qkv: &CpuBuffer,
+    kv: &mut CpuKvStore,
+    layer: usize,
+    spans: &[SeqSpan<'_>],
+    q_width: usize,
+) {
+    let kv_width = kv.kv_width;
+    for s in spans {
+        for i in 0..s.n_tokens {
+            let row = &qkv.data[(s.first_token + i) * qkv.cols..(s.first_token + i + 1) * qkv.cols];
+            kv.store(
+                layer,
+                s.block_table,
+                s.start_pos + i,
+                &row[q_width..q_width + kv_width],
+                &row[q_width + kv_width..q_width + 2 * kv_width],
+            );
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     k: &Kernels,
@@ -86,18 +109,7 @@ pub fn attention(
     let kv_width = n_kv_heads * head_dim;
     debug_assert_eq!(kv.kv_width, kv_width);
     // 1. Store this step's K and V rows.
-    for s in spans {
-        for i in 0..s.n_tokens {
-            let row = &qkv.data[(s.first_token + i) * qkv.cols..(s.first_token + i + 1) * qkv.cols];
-            kv.store(
-                layer,
-                s.block_table,
-                s.start_pos + i,
-                &row[q_width..q_width + kv_width],
-                &row[q_width + kv_width..q_width + 2 * kv_width],
-            );
-        }
-    }
+    store_kv(qkv, kv, layer, spans, q_width);
     // 2. One task per (token, KV head): the query heads sharing a KV head read each K/V row once.
     let n_tokens = qkv.rows;
     out.resize(n_tokens, q_width);

@@ -263,6 +263,17 @@ impl Backend for CpuBackend {
         );
     }
 
+    fn store_kv(
+        &self,
+        qkv: &CpuBuffer,
+        kv: &mut CpuKvStore,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+        q_width: usize,
+    ) {
+        attention::store_kv(qkv, kv, layer, spans, q_width);
+    }
+
     fn move_kv(&self, kv: &mut CpuKvStore, block_table: &[u32], moves: &[(usize, usize)]) {
         kv.move_positions(block_table, moves);
     }
