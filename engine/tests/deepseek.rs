@@ -237,3 +237,105 @@ fn a_quantized_checkpoint_with_a_broken_scale_is_refused_by_name() {
     assert!(err.contains("weight_block_size"), "{err}");
     let _ = std::fs::remove_dir_all(&dst);
 }
+
+/// `kiln serve` on the tiny DeepSeek-V3 model; `extra` flags added.
+fn serve(dir: &std::path::Path, extra: &[&str]) -> common::server::Server {
+    let port = common::server::free_port().to_string();
+    let model = dir.to_string_lossy().to_string();
+    let mut args = vec![
+        "--port",
+        &port,
+        "--model",
+        &model,
+        "--mode",
+        "exact",
+        "--threads",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    common::server::Server::start_exactly(port.parse().expect("port"), &args)
+}
+
+fn completion(s: &common::server::Server, prompt: &[u32]) -> String {
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(status, 200, "{v}");
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn the_server_serves_it_and_eagle3_speculation_keeps_greedy_output_exact() {
+    let case = &models()[0];
+    let dir = common::tiny_with_tokenizer("deepseek-v3");
+    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
+    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    // The fixture's prompt first (its greedy text is transformers'), then prompts of mixed lengths.
+    let mut prompts = vec![ids(case, "prompt_ids")];
+    let mut state = 12345u32;
+    for len in [3usize, 9, 17, 30, 41] {
+        prompts.push(
+            (0..len)
+                .map(|_| {
+                    state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                    3 + (state >> 8) % 509
+                })
+                .collect(),
+        );
+    }
+    let base = serve(&dir, &[]);
+    let want: Vec<String> = prompts.iter().map(|p| completion(&base, p)).collect();
+    let reference = tok.decode(&ids(case, "greedy_ids"), false).expect("decode");
+    assert_eq!(
+        want[0], reference,
+        "served greedy text vs transformers' tokens"
+    );
+    drop(base);
+    let draft =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/eagle3-speculators");
+    let draft = draft.to_string_lossy().to_string();
+    let spec = serve(
+        &dir,
+        &[
+            "--speculative-algorithm",
+            "eagle3",
+            "--speculative-draft-model-path",
+            &draft,
+            "--speculative-policy",
+            "fixed",
+            "--speculative-num-steps",
+            "3",
+        ],
+    );
+    for c in [1usize, 4] {
+        let got: Vec<String> = std::thread::scope(|scope| {
+            let chunks: Vec<_> = prompts
+                .chunks(prompts.len().div_ceil(c))
+                .map(|chunk| {
+                    scope.spawn(|| {
+                        chunk
+                            .iter()
+                            .map(|p| completion(&spec, p))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            chunks
+                .into_iter()
+                .flat_map(|h| h.join().expect("client"))
+                .collect()
+        });
+        assert_eq!(got, want, "EAGLE-3 on DeepSeek-V3, C={c}");
+    }
+    let drafted = spec.metric("kiln_spec_draft_tokens_total");
+    assert!(drafted > 0.0, "the draft proposed nothing");
+    eprintln!(
+        "drafted {drafted}, accepted {}",
+        spec.metric("kiln_spec_accepted_tokens_total")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -261,10 +261,16 @@ async fn warm_up(
     engine: &batching::EngineHandle,
     model: &crate::load::LoadedModel<CpuBackend>,
 ) -> anyhow::Result<()> {
-    let prompt = model
+    // A tokenizer may know more tokens than the model's vocabulary (a tiny test model with a
+    // borrowed tokenizer): warm up on ids the model has.
+    let vocab = model.config().vocab_size as u32;
+    let prompt: Vec<u32> = model
         .tokenizer
         .encode("Hello, world.", true)
-        .context("encoding the warm-up prompt")?;
+        .context("encoding the warm-up prompt")?
+        .into_iter()
+        .map(|id| id % vocab)
+        .collect();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let req = EngineRequest {
         prompt,
