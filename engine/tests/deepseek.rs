@@ -11,14 +11,12 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use kiln::backend::Precision;
 use kiln::backend::cpu::CpuBackend;
-use kiln::backend::{Backend, Precision, SeqSpan};
 use kiln::generate::{GenerateOptions, SingleSequence};
-use kiln::kv_cache::{BlockAllocator, SeqBlocks};
-use kiln::load::{LoadedModel, load_model, open_weights};
+use kiln::load::{load_model, open_weights};
 use kiln::model::mla::MlaForm;
 use kiln::model::moe::route;
-use kiln::model::{ForwardBatch, Workspace};
 use kiln::parallel::tp::{TpOptions, greedy};
 
 fn fixture_dir(case: &serde_json::Value) -> PathBuf {
@@ -35,44 +33,6 @@ fn floats(case: &serde_json::Value, k: &str) -> Vec<f32> {
     serde_json::from_value(case[k].clone()).expect("floats")
 }
 
-fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) -> Vec<Vec<f32>> {
-    let c = m.config();
-    let n = tokens.len();
-    let mut alloc = BlockAllocator::new(n.div_ceil(16), 16);
-    let mut seq = SeqBlocks::default();
-    seq.reserve(&mut alloc, n).expect("kv");
-    let mut kv = m
-        .backend
-        .kv_store(c.n_layers, n.div_ceil(16), 16, c.kv_width());
-    let positions: Vec<usize> = (0..n).collect();
-    let spans = [SeqSpan {
-        first_token: 0,
-        n_tokens: n,
-        start_pos: 0,
-        block_table: &seq.table,
-        tree: None,
-    }];
-    let batch = ForwardBatch {
-        tokens,
-        positions: &positions,
-        spans: &spans,
-        logit_rows: rows,
-    };
-    let out = m
-        .model
-        .forward(&m.backend, &mut kv, &batch, &mut Workspace::new(&m.backend))
-        .expect("forward");
-    out.chunks(c.vocab_size).map(|r| r.to_vec()).collect()
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
-    let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
-    ours.iter()
-        .zip(reference)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-        / scale
-}
-
 fn models() -> Vec<serde_json::Value> {
     let f = common::fixture("tiny-deepseek.json");
     let models = f["models"].as_array().expect("models").clone();
@@ -87,10 +47,10 @@ fn logits_and_greedy_tokens_match_transformers() {
         let dir = common::tiny_with_tokenizer(name);
         let m = load_model(CpuBackend::new(), &dir, Precision::Exact, |_, _| {}).expect("load");
         let prompt = ids(&case, "prompt_ids");
-        let got = logits_at(&m, &prompt, &[10, prompt.len() - 1]);
+        let got = common::logits_at(&m, &prompt, &[10, prompt.len() - 1]);
         let (mid, last) = (
-            rel_err(&got[0], &floats(&case, "mid_logits")),
-            rel_err(&got[1], &floats(&case, "last_logits")),
+            common::rel_err(&got[0], &floats(&case, "mid_logits")),
+            common::rel_err(&got[1], &floats(&case, "last_logits")),
         );
         assert!(
             mid < 1e-4 && last < 1e-4,
@@ -123,18 +83,19 @@ fn explicit_prefill_equals_absorbed_attention() {
         let mut m = load_model(CpuBackend::new(), &dir, Precision::Exact, |_, _| {}).expect("load");
         let prompt = ids(&case, "prompt_ids");
         let rows: Vec<usize> = (0..prompt.len()).collect();
-        m.model.mla_form = MlaForm::Explicit;
-        let explicit = logits_at(&m, &prompt, &rows);
+        // Auto takes the explicit form for a prefill from an empty cache.
+        m.model.mla_form = MlaForm::Auto;
+        let explicit = common::logits_at(&m, &prompt, &rows);
         m.model.mla_form = MlaForm::Absorbed;
-        let absorbed = logits_at(&m, &prompt, &rows);
+        let absorbed = common::logits_at(&m, &prompt, &rows);
         for (t, (e, a)) in explicit.iter().zip(&absorbed).enumerate() {
-            let err = rel_err(e, a);
+            let err = common::rel_err(e, a);
             assert!(
                 err < 1e-5,
                 "{name}: position {t}: explicit vs absorbed {err:e}"
             );
         }
-        let last = rel_err(&explicit[prompt.len() - 1], &floats(&case, "last_logits"));
+        let last = common::rel_err(&explicit[prompt.len() - 1], &floats(&case, "last_logits"));
         assert!(last < 1e-4, "{name}: explicit vs transformers {last:e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -206,7 +167,7 @@ fn heads_and_experts_split_over_2_and_4_ranks_match_the_whole_model() {
             let split = run(world);
             assert_eq!(split.tokens, whole.tokens, "{name}: TP={world} vs TP=1");
             for (a, b) in split.logits.iter().zip(&whole.logits) {
-                let e = rel_err(a, b);
+                let e = common::rel_err(a, b);
                 assert!(e < 1e-4, "{name}: TP={world} logits differ by {e:e}");
             }
         }

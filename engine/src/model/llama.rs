@@ -351,7 +351,7 @@ impl<B: Backend> Llama<B> {
             };
             let ffn = match &c.moe {
                 Some(moe) if i >= moe.first_k_dense_replace => FeedForward::Moe(Self::load_moe(
-                    backend, c, moe, store, &get, &n, shard, precision,
+                    backend, c, moe, store, &get, &n, &rows, &cols, shard, precision,
                 )?),
                 _ => FeedForward::Dense(Expert::load(
                     backend,
@@ -444,6 +444,8 @@ impl<B: Backend> Llama<B> {
         store: &WeightStore,
         get: &dyn Fn(&str, &[usize]) -> Result<TensorView>,
         n: &dyn Fn(&str) -> String,
+        rows: &dyn Fn(TensorView, Range<usize>) -> Result<TensorView>,
+        cols: &dyn Fn(TensorView, Range<usize>) -> Result<TensorView>,
         shard: Shard,
         precision: Precision,
     ) -> Result<MoeWeights<B>> {
@@ -476,25 +478,11 @@ impl<B: Backend> Llama<B> {
             None
         } else {
             let part = shard.rank * shared_inter / w..(shard.rank + 1) * shared_inter / w;
-            let slice_rows = |v: TensorView| -> Result<TensorView> {
-                if w == 1 {
-                    Ok(v)
-                } else {
-                    v.slice(part.clone(), 0..h)
-                }
-            };
-            let slice_cols = |v: TensorView| -> Result<TensorView> {
-                if w == 1 {
-                    Ok(v)
-                } else {
-                    v.slice(0..h, part.clone())
-                }
-            };
             Some(Expert::load(
                 backend,
-                slice_rows(get(&n("shared_gate"), &[shared_inter, h])?)?,
-                slice_rows(get(&n("shared_up"), &[shared_inter, h])?)?,
-                slice_cols(get(&n("shared_down"), &[h, shared_inter])?)?,
+                rows(get(&n("shared_gate"), &[shared_inter, h])?, part.clone())?,
+                rows(get(&n("shared_up"), &[shared_inter, h])?, part.clone())?,
+                cols(get(&n("shared_down"), &[h, shared_inter])?, part)?,
                 precision,
             )?)
         };
@@ -648,9 +636,7 @@ impl<B: Backend> Llama<B> {
             backend.rms_norm(&ws.x, &l.ffn_norm, c.rms_norm_eps, &mut ws.h);
             match &l.ffn {
                 FeedForward::Dense(mlp) => {
-                    backend.matmul(&ws.h, &mlp.gate_up, &mut ws.gate_up);
-                    backend.silu_mul(&ws.gate_up, &mut ws.act);
-                    backend.matmul(&ws.act, &mlp.down, &mut ws.proj);
+                    mlp.forward(backend, &ws.h, &mut ws.gate_up, &mut ws.act, &mut ws.proj)
                 }
                 FeedForward::Moe(moe) => {
                     let cfg = c.moe.as_ref().ok_or_else(|| {

@@ -48,8 +48,8 @@ pub enum MlaForm {
     /// token and no tree (prefill), absorbed otherwise (decode, chunked prefill, verification).
     #[default]
     Auto,
+    /// Absorbed for every step (tests compare the two forms with it).
     Absorbed,
-    Explicit,
 }
 
 /// Where the queries come from: `q_proj` (`[heads * qk_head_dim, hidden]`), or `q_a_proj`,
@@ -169,32 +169,18 @@ impl<B: Backend> MlaWeights<B> {
         let mut latent_normed = backend.buffer(0, 0);
         backend.rms_norm(&latent, &self.kv_a_norm, eps, &mut latent_normed);
 
-        // [q heads of (pe | latent) | k = (pe | latent) | v = (0 | latent)]
+        // [q heads of (pe | latent) | k = (pe | latent) | v = (0 | latent)]; the queries are
+        // filled in only for the absorbed form, after the form is chosen.
         let q_width = n_heads * head;
         let mut qkv = backend.buffer(n, q_width + 2 * head);
         backend.copy_columns(&ckv, r, &mut qkv, q_width, p);
         backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + p, r);
         backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + head + p, r);
-        let (mut q_nope, mut q_latent) = (backend.buffer(n, nope), backend.buffer(0, 0));
-        for (i, uk) in self.uk.iter().enumerate() {
-            backend.copy_columns(&q, i * q_head + nope, &mut qkv, i * head, p);
-            backend.copy_columns(&q, i * q_head, &mut q_nope, 0, nope);
-            backend.matmul(&q_nope, uk, &mut q_latent);
-            backend.copy_columns(&q_latent, 0, &mut qkv, i * head + p, r);
-        }
-        backend.rope(&mut qkv, 0, n_heads, positions, rope);
         backend.rope(&mut qkv, q_width, 1, positions, rope);
-        // The attention op scales by 1/sqrt(head width); MLA's scale is over the uncompressed
-        // query width (and YaRN's mscale).
-        backend.scale_columns(&mut qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt());
         let fresh = spans
             .iter()
             .all(|s| s.start_pos == 0 && s.tree.is_none() && s.n_tokens > 1);
-        let explicit = match form {
-            MlaForm::Auto => fresh && v <= q_head,
-            MlaForm::Absorbed => false,
-            MlaForm::Explicit => fresh && v <= q_head,
-        };
+        let explicit = form == MlaForm::Auto && fresh && v <= q_head;
         if explicit {
             backend.store_kv(&qkv, kv, layer, spans, q_width);
             let values = self.explicit(
@@ -211,6 +197,17 @@ impl<B: Backend> MlaWeights<B> {
             backend.matmul(&values, &self.o, out);
             return;
         }
+        let (mut q_nope, mut q_latent) = (backend.buffer(n, nope), backend.buffer(0, 0));
+        for (i, uk) in self.uk.iter().enumerate() {
+            backend.copy_columns(&q, i * q_head + nope, &mut qkv, i * head, p);
+            backend.copy_columns(&q, i * q_head, &mut q_nope, 0, nope);
+            backend.matmul(&q_nope, uk, &mut q_latent);
+            backend.copy_columns(&q_latent, 0, &mut qkv, i * head + p, r);
+        }
+        backend.rope(&mut qkv, 0, n_heads, positions, rope);
+        // The attention op scales by 1/sqrt(head width); MLA's scale is over the uncompressed
+        // query width (and YaRN's mscale).
+        backend.scale_columns(&mut qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt());
         let mut attn = backend.buffer(0, 0);
         backend.attention(&qkv, kv, layer, spans, n_heads, 1, head, &mut attn);
 

@@ -14,8 +14,8 @@ use crate::weights::TensorView;
 
 /// One SiLU-gated MLP: `down(silu(gate x) * up x)`.
 pub struct Expert<B: Backend> {
-    pub gate_up: B::Matrix,
-    pub down: B::Matrix,
+    gate_up: B::Matrix,
+    down: B::Matrix,
 }
 
 impl<B: Backend> Expert<B> {
@@ -32,11 +32,18 @@ impl<B: Backend> Expert<B> {
         })
     }
 
-    fn forward(&self, backend: &B, x: &B::Buffer, out: &mut B::Buffer) {
-        let (mut gu, mut act) = (backend.buffer(0, 0), backend.buffer(0, 0));
-        backend.matmul(x, &self.gate_up, &mut gu);
-        backend.silu_mul(&gu, &mut act);
-        backend.matmul(&act, &self.down, out);
+    /// `out = down(silu(gate x) * up x)`; `gate_up` and `act` are scratch buffers.
+    pub fn forward(
+        &self,
+        backend: &B,
+        x: &B::Buffer,
+        gate_up: &mut B::Buffer,
+        act: &mut B::Buffer,
+        out: &mut B::Buffer,
+    ) {
+        backend.matmul(x, &self.gate_up, gate_up);
+        backend.silu_mul(gate_up, act);
+        backend.matmul(act, &self.down, out);
     }
 }
 
@@ -89,18 +96,22 @@ impl<B: Backend> MoeWeights<B> {
                 tokens[expert].1.push(w);
             }
         }
+        let (mut gu, mut act, mut y) = (
+            backend.buffer(0, 0),
+            backend.buffer(0, 0),
+            backend.buffer(0, 0),
+        );
         match &self.shared {
-            Some(s) => s.forward(backend, h, out),
+            Some(s) => s.forward(backend, h, &mut gu, &mut act, out),
             None => *out = backend.buffer(n, hidden),
         }
-        let mut y = backend.buffer(0, 0);
         for (expert, (rows, weights)) in self.experts.iter().zip(&tokens) {
             let Some(expert) = expert else { continue };
             if rows.is_empty() {
                 continue;
             }
             let x = backend.gather_rows(h, rows);
-            expert.forward(backend, &x, &mut y);
+            expert.forward(backend, &x, &mut gu, &mut act, &mut y);
             backend.scatter_add_rows(out, rows, &y, weights);
         }
     }

@@ -141,15 +141,10 @@ impl HfDir {
         ))
     }
 
-    /// A float tensor's values (for scales).
+    /// A float tensor's values and shape (for scales).
     fn floats(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
-        let (path, bytes, dtype, shape) = self.raw(name)?;
-        let Stored::Float(d) = dtype else {
-            return Err(Error::tensor(path, name, "must be a float tensor"));
-        };
-        let mut out = vec![0f32; shape.iter().product()];
-        super::dtype::dequantize(d, bytes, &mut out);
-        Ok((out, shape.to_vec()))
+        let v = self.view(name)?;
+        Ok((v.to_f32(), v.shape))
     }
 
     /// A 32-bit integer tensor's values.
@@ -276,15 +271,11 @@ impl HfDir {
 
     /// A 64-bit integer tensor's values (little-endian, as safetensors stores them).
     pub fn ints(&self, name: &str) -> Result<Vec<i64>> {
-        let e = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| Error::tensor(&self.dir, name, "missing from the safetensors files"))?;
-        let (path, mmap) = &self.files[e.file];
-        if !matches!(e.dtype, Stored::I64) {
+        let (path, bytes, dtype, _) = self.raw(name)?;
+        if !matches!(dtype, Stored::I64) {
             return Err(Error::tensor(path, name, "must be an int64 tensor"));
         }
-        Ok(mmap[e.offset..e.offset + e.n_bytes]
+        Ok(bytes
             .chunks_exact(8)
             .map(|b| i64::from_le_bytes(b.try_into().unwrap_or_default()))
             .collect())

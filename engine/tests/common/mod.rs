@@ -3,7 +3,12 @@
 
 use std::path::PathBuf;
 
+use kiln::backend::cpu::CpuBackend;
+use kiln::backend::{Backend, SeqSpan};
 use kiln::catalog::{CatalogEntry, DEFAULT_MODEL, QWEN_CODER};
+use kiln::kv_cache::{BlockAllocator, SeqBlocks};
+use kiln::load::LoadedModel;
+use kiln::model::{ForwardBatch, Workspace};
 
 pub mod server;
 
@@ -122,4 +127,44 @@ pub fn write_gguf(
         }
     }
     std::fs::write(path, b).expect("write gguf");
+}
+
+/// One forward of `tokens` from an empty paged cache; the logits of `rows`.
+pub fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) -> Vec<Vec<f32>> {
+    let c = m.config();
+    let n = tokens.len();
+    let mut alloc = BlockAllocator::new(n.div_ceil(16), 16);
+    let mut seq = SeqBlocks::default();
+    seq.reserve(&mut alloc, n).expect("kv");
+    let mut kv = m
+        .backend
+        .kv_store(c.n_layers, n.div_ceil(16), 16, c.kv_width());
+    let positions: Vec<usize> = (0..n).collect();
+    let spans = [SeqSpan {
+        first_token: 0,
+        n_tokens: n,
+        start_pos: 0,
+        block_table: &seq.table,
+        tree: None,
+    }];
+    let batch = ForwardBatch {
+        tokens,
+        positions: &positions,
+        spans: &spans,
+        logit_rows: rows,
+    };
+    let out = m
+        .model
+        .forward(&m.backend, &mut kv, &batch, &mut Workspace::new(&m.backend))
+        .expect("forward");
+    out.chunks(c.vocab_size).map(|r| r.to_vec()).collect()
+}
+
+/// Largest |ours - reference|, relative to the largest |reference|.
+pub fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
+    let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+    ours.iter()
+        .zip(reference)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale
 }
