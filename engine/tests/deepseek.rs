@@ -199,6 +199,124 @@ fn a_quantized_checkpoint_with_a_broken_scale_is_refused_by_name() {
     let _ = std::fs::remove_dir_all(&dst);
 }
 
+/// The deepseek-v3 model converted to GGUF by llama.cpp's `convert_hf_to_gguf.py`
+/// (`tests/reference/make_tiny_deepseek_gguf.py`), f32 and Q8_0, with transformers' numbers on the
+/// weights as each file stores them.
+fn gguf_files() -> Vec<(PathBuf, serde_json::Value)> {
+    let f = common::fixture("tiny-deepseek-gguf.json");
+    let files = f["files"].as_array().expect("files").clone();
+    assert_eq!(files.len(), 2);
+    files
+        .into_iter()
+        .map(|case| {
+            let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures")
+                .join(case["file"].as_str().expect("file"));
+            (path, case)
+        })
+        .collect()
+}
+
+#[test]
+fn gguf_files_from_llama_cpps_converter_match_transformers() {
+    for (path, case) in gguf_files() {
+        let name = case["file"].as_str().expect("file");
+        // The GGUF carries its own tokenizer (the loader reads it) and llama.cpp's layout: the
+        // split k_b / v_b, stacked experts, exp_probs_b, MLA and MoE metadata.
+        let m = load_model(CpuBackend::new(), &path, Precision::Exact, |_, _| {}).expect("load");
+        let c = m.config();
+        assert_eq!(
+            (c.n_kv_heads, c.head_dim),
+            (1, 8 + 32),
+            "{name}: one latent KV head"
+        );
+        let moe = c.moe.expect("MoE");
+        assert_eq!(
+            (moe.n_group, moe.topk_group, moe.first_k_dense_replace),
+            (4, 2, 1)
+        );
+        assert!(moe.norm_topk_prob && moe.routed_scaling_factor == 2.5);
+        let prompt = ids(&case, "prompt_ids");
+        let got = common::logits_at(&m, &prompt, &[10, prompt.len() - 1]);
+        let (mid, last) = (
+            common::rel_err(&got[0], &floats(&case, "mid_logits")),
+            common::rel_err(&got[1], &floats(&case, "last_logits")),
+        );
+        assert!(
+            mid < 1e-4 && last < 1e-4,
+            "{name}: logit errors {mid:e} (pos 10), {last:e} (last)"
+        );
+        let greedy = ids(&case, "greedy_ids");
+        let opts = GenerateOptions {
+            max_tokens: greedy.len(),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let out = SingleSequence::new(&m, 64)
+            .generate(&m, &prompt, &opts, |_| {})
+            .expect("generate")
+            .ids();
+        assert_eq!(out, greedy, "{name}: greedy tokens");
+        eprintln!("{name}: logits within {mid:.1e} / {last:.1e}, greedy tokens equal");
+    }
+}
+
+#[test]
+fn a_gguf_split_over_2_ranks_matches_the_whole_model() {
+    let (path, case) = gguf_files().remove(0);
+    let prompt = ids(&case, "prompt_ids");
+    let run = |world| {
+        let opts = TpOptions {
+            world,
+            precision: Precision::Exact,
+            threads_per_rank: 1,
+            timeout: Duration::from_secs(300),
+        };
+        greedy(&path, opts, &prompt, 8).unwrap_or_else(|e| panic!("TP={world}: {e}"))
+    };
+    let (whole, split) = (run(1), run(2));
+    assert_eq!(whole.tokens, ids(&case, "greedy_ids")[..8], "TP=1");
+    assert_eq!(split.tokens, whole.tokens, "TP=2 vs TP=1");
+}
+
+#[test]
+fn a_deepseek2_gguf_with_softmax_routing_is_refused_by_name() {
+    use common::Meta::{Str, U32};
+    // DeepSeek-V2's router (softmax; llama.cpp's reading of a missing gating function) is not
+    // DeepSeek-V3's: the file must be refused naming the field, not run with the wrong routing.
+    let dir = std::env::temp_dir().join(format!("kiln-ds2-softmax-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("softmax.gguf");
+    let meta = [
+        ("general.architecture", Str("deepseek2")),
+        ("deepseek2.embedding_length", U32(64)),
+        ("deepseek2.attention.head_count", U32(4)),
+        ("deepseek2.attention.head_count_kv", U32(1)),
+        ("deepseek2.attention.key_length", U32(40)),
+        ("deepseek2.attention.key_length_mla", U32(24)),
+        ("deepseek2.attention.value_length_mla", U32(16)),
+        ("deepseek2.attention.kv_lora_rank", U32(32)),
+        ("deepseek2.rope.dimension_count", U32(8)),
+        ("deepseek2.feed_forward_length", U32(96)),
+        ("deepseek2.block_count", U32(1)),
+        ("deepseek2.context_length", U32(128)),
+        ("deepseek2.expert_count", U32(8)),
+        ("deepseek2.expert_used_count", U32(2)),
+        ("deepseek2.expert_feed_forward_length", U32(32)),
+    ];
+    common::write_gguf(
+        &path,
+        &meta,
+        &[("token_embd.weight", &[64, 8], 0, &[0u8; 2048])],
+    );
+    let err = match open_weights(&path) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a softmax-routed deepseek2 file was accepted"),
+    };
+    assert!(err.contains("deepseek2.expert_gating_func"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `kiln serve` on the tiny DeepSeek-V3 model; `extra` flags added.
 fn serve(dir: &std::path::Path, extra: &[&str]) -> common::server::Server {
     let port = common::server::free_port().to_string();

@@ -26,7 +26,10 @@ impl Architecture {
             "mistral" | "MistralForCausalLM" => Architecture::Mistral,
             "qwen2" | "Qwen2ForCausalLM" => Architecture::Qwen2,
             "qwen3" | "Qwen3ForCausalLM" => Architecture::Qwen3,
-            "deepseek_v3" | "kimi_k2" | "DeepseekV3ForCausalLM" => Architecture::DeepseekV3,
+            // llama.cpp names the DeepSeek-V2/V3 (and Kimi-K2) architecture `deepseek2`.
+            "deepseek_v3" | "kimi_k2" | "DeepseekV3ForCausalLM" | "deepseek2" => {
+                Architecture::DeepseekV3
+            }
             other => {
                 return Err(Error::UnsupportedArchitecture {
                     path: path.to_path_buf(),
@@ -116,6 +119,29 @@ pub struct MoeConfig {
     pub first_k_dense_replace: usize,
 }
 
+impl MoeConfig {
+    /// Refuses a routing shape the grouped top-k cannot run (naming the numbers).
+    fn check_routing(&self, path: &Path) -> Result<()> {
+        let routed = self.n_routed_experts;
+        let per_group = routed / self.n_group.max(1);
+        if !routed.is_multiple_of(self.n_group.max(1))
+            || self.topk_group > self.n_group
+            || per_group < 2
+            || self.experts_per_token > self.topk_group * per_group
+        {
+            return Err(Error::config(
+                path,
+                format!(
+                    "MoE routing does not fit: {routed} experts in {} groups, {} groups and {} \
+                     experts per token",
+                    self.n_group, self.topk_group, self.experts_per_token
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
     pub arch: Architecture,
@@ -180,6 +206,20 @@ impl ModelConfig {
             Some("linear") => g.meta_f64(&key("rope.scaling.factor")).unwrap_or(1.0) as f32,
             _ => 1.0,
         };
+        let rope_dim = g
+            .meta_u64(&key("rope.dimension_count"))
+            .map(|v| v as usize)
+            .unwrap_or(head_dim);
+        let (yarn, mla, moe) = if arch == Architecture::DeepseekV3 {
+            gguf_deepseek_parts(g, arch_name, rope_dim)?
+        } else {
+            (None, None, None)
+        };
+        // MLA caches one `[k_pe | latent]` row per token: a single KV head of that width.
+        let (n_kv_heads, head_dim) = match &mla {
+            Some(m) => (1, m.qk_rope_head_dim + m.kv_lora_rank),
+            None => (n_kv_heads, head_dim),
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
@@ -188,21 +228,19 @@ impl ModelConfig {
             n_heads,
             n_kv_heads,
             head_dim,
-            rope_dim: g
-                .meta_u64(&key("rope.dimension_count"))
-                .map(|v| v as usize)
-                .unwrap_or(head_dim),
+            rope_dim,
             vocab_size,
             rms_norm_eps: g
                 .meta_f64(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-5) as f32,
             rope_theta: g.meta_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32,
-            // ggml's convert script permutes Llama/Mistral Q and K rows; Qwen uses NeoX rope unpermuted.
+            // ggml's convert script permutes Llama/Mistral Q and K rows; Qwen uses NeoX rope
+            // unpermuted; DeepSeek's checkpoints are stored interleaved and converted as they are.
             rope_layout: match arch {
-                Architecture::Llama | Architecture::Mistral => RopeLayout::Interleaved,
-                Architecture::Qwen2 | Architecture::Qwen3 | Architecture::DeepseekV3 => {
-                    RopeLayout::HalfSplit
+                Architecture::Llama | Architecture::Mistral | Architecture::DeepseekV3 => {
+                    RopeLayout::Interleaved
                 }
+                Architecture::Qwen2 | Architecture::Qwen3 => RopeLayout::HalfSplit,
             },
             // Llama 3 scaling arrives in GGUF as the precomputed `rope_freqs.weight` tensor instead.
             llama3_scaling: None,
@@ -211,9 +249,9 @@ impl ModelConfig {
             tied_embeddings: !g.has_tensor("output.weight"),
             qkv_bias: g.has_tensor("blk.0.attn_q.bias"),
             qk_norm: g.has_tensor("blk.0.attn_q_norm.weight"),
-            yarn: None,
-            mla: None,
-            moe: None,
+            yarn,
+            mla,
+            moe,
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -385,6 +423,123 @@ impl ModelConfig {
     }
 }
 
+/// YaRN, MLA and MoE settings from the metadata llama.cpp's converter writes for `deepseek2`:
+/// MLA as one KV head of `kv_lora_rank + rope` (`attention.key_length`) with the per-head sizes in
+/// `attention.key_length_mla` / `value_length_mla` (legacy files without them carry the per-head
+/// sizes in `key_length` / `value_length`). YaRN's softmax factor follows llama.cpp's deepseek2
+/// graph: `(attn_factor * yarn_mscale(factor, yarn_log_multiplier / 0.1))^2`, the rotary factor is
+/// `attn_factor` (1 unless the file sets `rope.scaling.attn_factor`).
+type DeepseekParts = (Option<YarnScaling>, Option<MlaConfig>, Option<MoeConfig>);
+
+fn gguf_deepseek_parts(g: &GgufFile, arch: &str, rope: usize) -> Result<DeepseekParts> {
+    let path = &g.path;
+    let key = |k: &str| format!("{arch}.{k}");
+    let missing =
+        |k: &str| Error::config(path, format!("metadata `{}` is missing or zero", key(k)));
+    let req = |k: &str| -> Result<usize> {
+        g.meta_u64(&key(k))
+            .map(|v| v as usize)
+            .filter(|&v| v > 0)
+            .ok_or_else(|| missing(k))
+    };
+    let opt = |k: &str| g.meta_u64(&key(k)).map(|v| v as usize).filter(|&v| v > 0);
+    let kv_lora_rank = req("attention.kv_lora_rank")?;
+    let (qk_head_dim, v_head_dim) = match opt("attention.key_length_mla") {
+        Some(k) => (k, req("attention.value_length_mla")?),
+        None => (req("attention.key_length")?, req("attention.value_length")?),
+    };
+    if qk_head_dim <= rope {
+        return Err(Error::config(
+            path,
+            format!(
+                "metadata `{}` ({qk_head_dim}) must exceed the rotary dimensions ({rope})",
+                key("attention.key_length_mla")
+            ),
+        ));
+    }
+    let yarn = match g.meta_str(&key("rope.scaling.type")) {
+        Some("yarn") => {
+            let factor = g.meta_f64(&key("rope.scaling.factor")).unwrap_or(1.0) as f32;
+            Some(YarnScaling {
+                factor,
+                original_max_position_embeddings: req("rope.scaling.original_context_length")?,
+                beta_fast: g
+                    .meta_f64(&key("rope.scaling.yarn_beta_fast"))
+                    .unwrap_or(32.0) as f32,
+                beta_slow: g
+                    .meta_f64(&key("rope.scaling.yarn_beta_slow"))
+                    .unwrap_or(1.0) as f32,
+                attention_factor: g.meta_f64(&key("rope.scaling.attn_factor")).unwrap_or(1.0)
+                    as f32,
+                mscale_all_dim: g
+                    .meta_f64(&key("rope.scaling.yarn_log_multiplier"))
+                    .unwrap_or(0.0) as f32
+                    / 0.1,
+            })
+        }
+        None | Some("none") => None,
+        Some(other) => {
+            return Err(Error::config(
+                path,
+                format!(
+                    "metadata `{}` = `{other}` is not supported for {arch}",
+                    key("rope.scaling.type")
+                ),
+            ));
+        }
+    };
+    let mut softmax_scale = 1.0 / (qk_head_dim as f32).sqrt();
+    if let Some(y) = &yarn {
+        let m = y.attention_factor * yarn_mscale(y.factor, y.mscale_all_dim);
+        softmax_scale *= m * m;
+    }
+    let mla = MlaConfig {
+        q_lora_rank: opt("attention.q_lora_rank"),
+        kv_lora_rank,
+        qk_nope_head_dim: qk_head_dim - rope,
+        qk_rope_head_dim: rope,
+        v_head_dim,
+        softmax_scale,
+    };
+    let moe = match opt("expert_count") {
+        None => None,
+        Some(n_routed_experts) => {
+            // llama.cpp reads a missing gating function as softmax (DeepSeek-V2's router).
+            const SIGMOID: u64 = 2;
+            match g.meta_u64(&key("expert_gating_func")) {
+                Some(SIGMOID) => {}
+                other => {
+                    return Err(Error::config(
+                        path,
+                        format!(
+                            "metadata `{}` is {}: only sigmoid routing (2, DeepSeek-V3's) is \
+                             supported",
+                            key("expert_gating_func"),
+                            other.map_or("missing (softmax)".to_string(), |v| v.to_string())
+                        ),
+                    ));
+                }
+            }
+            let moe = MoeConfig {
+                n_routed_experts,
+                n_shared_experts: opt("expert_shared_count").unwrap_or(0),
+                experts_per_token: req("expert_used_count")?,
+                n_group: opt("expert_group_count").unwrap_or(1),
+                topk_group: opt("expert_group_used_count").unwrap_or(1),
+                routed_scaling_factor: g.meta_f64(&key("expert_weights_scale")).unwrap_or(1.0)
+                    as f32,
+                norm_topk_prob: g.meta_bool(&key("expert_weights_norm")).unwrap_or(false),
+                moe_intermediate_size: req("expert_feed_forward_length")?,
+                first_k_dense_replace: g.meta_u64(&key("leading_dense_block_count")).unwrap_or(0)
+                    as usize,
+            };
+            moe.check_routing(path)?;
+            Some(moe)
+        }
+    };
+    Ok((yarn, Some(mla), moe))
+}
+
 /// The MLA and MoE settings of a `DeepseekV3ForCausalLM` config.
 fn deepseek_parts(
     c: &HfConfig,
@@ -445,21 +600,7 @@ fn deepseek_parts(
                 format!("scoring_func `{f}` is not supported (DeepSeek-V3 uses `sigmoid`)"),
             ));
         }
-        let per_group = routed / moe.n_group;
-        if !routed.is_multiple_of(moe.n_group)
-            || moe.topk_group > moe.n_group
-            || per_group < 2
-            || moe.experts_per_token > moe.topk_group * per_group
-        {
-            return Err(Error::config(
-                path,
-                format!(
-                    "MoE routing does not fit: {routed} experts in {} groups, {} groups and {} \
-                     experts per token",
-                    moe.n_group, moe.topk_group, moe.experts_per_token
-                ),
-            ));
-        }
+        moe.check_routing(path)?;
         Some(moe)
     };
     Ok((Some(mla), moe))

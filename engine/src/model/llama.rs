@@ -6,7 +6,7 @@
 //! sequences of different lengths in one step.
 
 use super::config::{ModelConfig, RopeLayout};
-use super::mla::{MlaForm, MlaTensors, MlaWeights, QueryTensors};
+use super::mla::{MlaForm, MlaTensors, MlaWeights, QueryTensors, join_kv_b};
 use super::moe::{Expert, MoeWeights};
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
@@ -137,19 +137,35 @@ fn layer_name(n: Naming, i: usize, role: &str) -> String {
         "gate" => ("ffn_gate.weight", "mlp.gate_proj.weight"),
         "up" => ("ffn_up.weight", "mlp.up_proj.weight"),
         "down" => ("ffn_down.weight", "mlp.down_proj.weight"),
-        // DeepSeek-V3 (Hugging Face names only; GGUF's are not mapped).
-        "q_a" => ("", "self_attn.q_a_proj.weight"),
-        "q_a_norm" => ("", "self_attn.q_a_layernorm.weight"),
-        "q_b" => ("", "self_attn.q_b_proj.weight"),
-        "kv_a" => ("", "self_attn.kv_a_proj_with_mqa.weight"),
-        "kv_a_norm" => ("", "self_attn.kv_a_layernorm.weight"),
-        "kv_b" => ("", "self_attn.kv_b_proj.weight"),
-        "router" => ("", "mlp.gate.weight"),
+        // DeepSeek-V3: GGUF names as llama.cpp's `deepseek2` converter writes them. Newer
+        // converters split `kv_b` into `k_b` (transposed per head) and `v_b`; GGUF stacks each
+        // projection of all routed experts into one 3-D tensor (`*_exps`).
+        "q_a" => ("attn_q_a.weight", "self_attn.q_a_proj.weight"),
+        "q_a_norm" => ("attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight"),
+        "q_b" => ("attn_q_b.weight", "self_attn.q_b_proj.weight"),
+        "kv_a" => (
+            "attn_kv_a_mqa.weight",
+            "self_attn.kv_a_proj_with_mqa.weight",
+        ),
+        "kv_a_norm" => ("attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight"),
+        "kv_b" => ("attn_kv_b.weight", "self_attn.kv_b_proj.weight"),
+        "k_b" => ("attn_k_b.weight", ""),
+        "v_b" => ("attn_v_b.weight", ""),
+        "router" => ("ffn_gate_inp.weight", "mlp.gate.weight"),
         "experts" => ("", "mlp.experts"),
-        "router_bias" => ("", "mlp.gate.e_score_correction_bias"),
-        "shared_gate" => ("", "mlp.shared_experts.gate_proj.weight"),
-        "shared_up" => ("", "mlp.shared_experts.up_proj.weight"),
-        "shared_down" => ("", "mlp.shared_experts.down_proj.weight"),
+        "experts_gate" => ("ffn_gate_exps.weight", ""),
+        "experts_up" => ("ffn_up_exps.weight", ""),
+        "experts_down" => ("ffn_down_exps.weight", ""),
+        "router_bias" => ("exp_probs_b.bias", "mlp.gate.e_score_correction_bias"),
+        "shared_gate" => (
+            "ffn_gate_shexp.weight",
+            "mlp.shared_experts.gate_proj.weight",
+        ),
+        "shared_up" => ("ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight"),
+        "shared_down" => (
+            "ffn_down_shexp.weight",
+            "mlp.shared_experts.down_proj.weight",
+        ),
         _ => unreachable!("unknown layer tensor role {role}"),
     };
     match n {
@@ -304,12 +320,6 @@ impl<B: Backend> Llama<B> {
         let total = c.n_layers;
         progress(0, total);
         let mut layers = Vec::with_capacity(c.n_layers);
-        if c.mla.is_some() && matches!(naming, Naming::Gguf) {
-            return Err(Error::config(
-                &embed_view.path,
-                "DeepSeek-V3 models load from Hugging Face safetensors directories, not GGUF",
-            ));
-        }
         for i in 0..c.n_layers {
             let n = |role: &str| layer_name(naming, i, role);
             let attention = match &c.mla {
@@ -327,14 +337,20 @@ impl<B: Backend> Llama<B> {
                     };
                     let kvb = m.qk_nope_head_dim + m.v_head_dim;
                     let v_cols = plan.q_heads.start * m.v_head_dim..plan.q_heads.end * m.v_head_dim;
+                    let (rank, nope) = (m.kv_lora_rank, m.qk_nope_head_dim);
+                    let kv_b = if store.has(&n("kv_b")) {
+                        get(&n("kv_b"), &[c.n_heads * kvb, rank])?
+                    } else {
+                        join_kv_b(
+                            &get(&n("k_b"), &[c.n_heads, rank, nope])?,
+                            &get(&n("v_b"), &[c.n_heads, m.v_head_dim, rank])?,
+                        )?
+                    };
                     let t = MlaTensors {
                         q,
-                        kv_a: get(&n("kv_a"), &[m.kv_lora_rank + m.qk_rope_head_dim, h])?,
-                        kv_a_norm: get(&n("kv_a_norm"), &[m.kv_lora_rank])?,
-                        kv_b: rows(
-                            get(&n("kv_b"), &[c.n_heads * kvb, m.kv_lora_rank])?,
-                            plan.q_heads.start * kvb..plan.q_heads.end * kvb,
-                        )?,
+                        kv_a: get(&n("kv_a"), &[rank + m.qk_rope_head_dim, h])?,
+                        kv_a_norm: get(&n("kv_a_norm"), &[rank])?,
+                        kv_b: rows(kv_b, plan.q_heads.start * kvb..plan.q_heads.end * kvb)?,
                         o: cols(get(&n("o"), &[h, c.n_heads * m.v_head_dim])?, v_cols)?,
                     };
                     Attention::Mla(MlaWeights::load(
@@ -459,20 +475,33 @@ impl<B: Backend> Llama<B> {
         }
         let mine = shard.rank * e / w..(shard.rank + 1) * e / w;
         let mi = moe.moe_intermediate_size;
+        // GGUF stacks each projection of every expert into one `[experts, rows, cols]` tensor.
+        let stacked = match store {
+            WeightStore::Gguf(_) => Some([
+                get(&n("experts_gate"), &[e, mi, h])?,
+                get(&n("experts_up"), &[e, mi, h])?,
+                get(&n("experts_down"), &[e, h, mi])?,
+            ]),
+            WeightStore::Hf(_) => None,
+        };
         let mut experts = Vec::with_capacity(e);
         for x in 0..e {
             if !mine.contains(&x) {
                 experts.push(None);
                 continue;
             }
-            let name = |p: &str| format!("{}.{x}.{p}_proj.weight", n("experts"));
-            experts.push(Some(Expert::load(
-                backend,
-                get(&name("gate"), &[mi, h])?,
-                get(&name("up"), &[mi, h])?,
-                get(&name("down"), &[h, mi])?,
-                precision,
-            )?));
+            let [gate, up, down] = match &stacked {
+                Some([g, u, d]) => [g.slab(x)?, u.slab(x)?, d.slab(x)?],
+                None => {
+                    let name = |p: &str| format!("{}.{x}.{p}_proj.weight", n("experts"));
+                    [
+                        get(&name("gate"), &[mi, h])?,
+                        get(&name("up"), &[mi, h])?,
+                        get(&name("down"), &[h, mi])?,
+                    ]
+                }
+            };
+            experts.push(Some(Expert::load(backend, gate, up, down, precision)?));
         }
         let shared = if shared_inter == 0 {
             None

@@ -14,7 +14,7 @@
 
 use super::config::MlaConfig;
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::weights::TensorView;
 
 /// The query projection: one matrix, or DeepSeek-V3's low-rank pair with an RMSNorm between.
@@ -67,6 +67,45 @@ pub struct MlaTensors {
     /// `kv_b_proj` rows of the rank's heads: `[heads * (nope + v), rank]`.
     pub kv_b: TensorView,
     pub o: TensorView,
+}
+
+/// `kv_b_proj` (`[heads * (nope + v), rank]`) rebuilt from the two halves llama.cpp's converter
+/// writes: `k_b` `[heads, rank, nope]` (each head's `W_UK` transposed) and `v_b`
+/// `[heads, v, rank]`. Dequantized to f32: the loader derives the absorbed matrices from it anyway.
+pub fn join_kv_b(k_b: &TensorView, v_b: &TensorView) -> Result<TensorView> {
+    let (&[heads, rank, nope], &[v_heads, v, v_rank]) =
+        (k_b.shape.as_slice(), v_b.shape.as_slice())
+    else {
+        return Err(Error::tensor(
+            &k_b.path,
+            &k_b.name,
+            format!(
+                "expected [heads, rank, nope] and [heads, v, rank], found {:?} and {:?}",
+                k_b.shape, v_b.shape
+            ),
+        ));
+    };
+    if (v_heads, v_rank) != (heads, rank) {
+        return Err(Error::tensor(
+            &v_b.path,
+            &v_b.name,
+            format!("shape {:?} does not pair with {:?}", v_b.shape, k_b.shape),
+        ));
+    }
+    let (k, vv) = (k_b.to_f32(), v_b.to_f32());
+    let per_head = nope + v;
+    let mut out = vec![0f32; heads * per_head * rank];
+    for h in 0..heads {
+        let head = &mut out[h * per_head * rank..(h + 1) * per_head * rank];
+        for j in 0..rank {
+            for i in 0..nope {
+                head[i * rank + j] = k[(h * rank + j) * nope + i];
+            }
+        }
+        head[nope * rank..].copy_from_slice(&vv[h * v * rank..(h + 1) * v * rank]);
+    }
+    let name = k_b.name.replace("attn_k_b", "attn_kv_b");
+    TensorView::from_f32(name, k_b.path.clone(), vec![heads * per_head, rank], &out)
 }
 
 impl<B: Backend> MlaWeights<B> {

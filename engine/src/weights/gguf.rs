@@ -335,6 +335,10 @@ impl GgufFile {
         self.meta(key).and_then(|v| v.as_f64())
     }
 
+    pub fn meta_bool(&self, key: &str) -> Option<bool> {
+        self.meta(key).and_then(|v| v.as_bool())
+    }
+
     pub fn has_tensor(&self, name: &str) -> bool {
         self.by_name.contains_key(name)
     }

@@ -61,6 +61,38 @@ impl TensorView {
         Ok(())
     }
 
+    /// Matrix `i` of a stacked `[n, rows, cols]` tensor (GGUF stores a MoE layer's experts as
+    /// one such tensor per projection), as a view of the same bytes: no copy.
+    pub fn slab(&self, i: usize) -> Result<TensorView> {
+        let [n, rows, cols] = *self.shape.as_slice() else {
+            return Err(Error::tensor(
+                &self.path,
+                &self.name,
+                format!("expected [n, rows, cols], found shape {:?}", self.shape),
+            ));
+        };
+        let slab_bytes = self
+            .dtype
+            .bytes_for(rows * cols)
+            .ok_or_else(|| Error::tensor(&self.path, &self.name, "a matrix is not whole blocks"))?;
+        if i >= n {
+            return Err(Error::tensor(
+                &self.path,
+                &self.name,
+                format!("matrix {i} of {n}"),
+            ));
+        }
+        Ok(TensorView {
+            name: format!("{}[{i}]", self.name),
+            path: self.path.clone(),
+            dtype: self.dtype,
+            shape: vec![rows, cols],
+            mmap: self.mmap.clone(),
+            offset: self.offset + i * slab_bytes,
+            n_bytes: slab_bytes,
+        })
+    }
+
     /// The sub-matrix `rows x cols` of a `[rows, cols]` tensor, for sharding one layer across
     /// tensor-parallel ranks. Stored blocks are copied as they are when the column range falls on
     /// block boundaries (always true for whole rows); otherwise the slice is dequantized to f32.
