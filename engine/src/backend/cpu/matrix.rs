@@ -1,8 +1,6 @@
 //! Weight matrices on the CPU: preparation from stored tensors (dequantize or repack) and the
 //! multi-threaded matmul over them.
 
-use rayon::prelude::*;
-
 use super::CpuBuffer;
 use super::blocks::{
     BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8Act, BlockQ8x8, BlockQ8x16, QBLOCK, f32_to_f16,
@@ -418,7 +416,7 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
     // f32 parts read `x` directly: one pass, no activation rows.
     let levels = if needs_act { ACT_LEVELS } else { 1 };
     let acts = if needs_act {
-        quantize_rows(x, nb)
+        quantize_rows(team, x, nb)
     } else {
         Vec::new()
     };
@@ -456,7 +454,8 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
             }
             Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
                 let groups = p.rows / 8;
-                let chunk = chunk_rows(groups, n).div_ceil(4).max(1);
+                // An even count: the 512-bit kernels take groups two at a time.
+                let chunk = chunk_rows(groups, n).div_ceil(4).max(1).next_multiple_of(2);
                 team.run(groups.div_ceil(chunk), &|c| {
                     let op = out_ptr;
                     let (g0, g1) = (c * chunk, ((c + 1) * chunk).min(groups));
@@ -476,29 +475,78 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                         };
                         let hi = |i: usize| row(t0 + i, 0);
                         let lo = |i: usize| row(t0 + i, 1);
-                        for g in g0..g1 {
-                            let mut vals = [[0f32; 8]; 4];
+                        // SAFETY (for `put`): rows 8g..8g+8 of token t0 + i are inside out and
+                        // owned by this chunk.
+                        let put = |g: usize, i: usize, o: &[f32]| unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                o.as_ptr(),
+                                op.0.add((t0 + i) * out_stride + col0 + 8 * g),
+                                8,
+                            )
+                        };
+                        let mut g = g0;
+                        while g < g1 {
+                            // Two groups per call where the kernel has a 512-bit form.
                             macro_rules! run {
                                 ($kern:expr, $b:expr) => {{
-                                    let wg = &$b[g * nb..(g + 1) * nb];
-                                    match take {
-                                        4 => {
-                                            vals = ($kern.p4)(
-                                                wg,
-                                                [hi(0), hi(1), hi(2), hi(3)],
-                                                [lo(0), lo(1), lo(2), lo(3)],
-                                            )
+                                    let wg = |g: usize| &$b[g * nb..(g + 1) * nb];
+                                    match $kern.wide.filter(|_| g + 1 < g1) {
+                                        Some(wide) => {
+                                            let mut vals = [[0f32; 16]; 4];
+                                            match take {
+                                                4 => {
+                                                    vals = (wide.p4)(
+                                                        wg(g),
+                                                        wg(g + 1),
+                                                        [hi(0), hi(1), hi(2), hi(3)],
+                                                        [lo(0), lo(1), lo(2), lo(3)],
+                                                    )
+                                                }
+                                                2 => vals[..2].copy_from_slice(&(wide.p2)(
+                                                    wg(g),
+                                                    wg(g + 1),
+                                                    [hi(0), hi(1)],
+                                                    [lo(0), lo(1)],
+                                                )),
+                                                _ => vals[..1].copy_from_slice(&(wide.p1)(
+                                                    wg(g),
+                                                    wg(g + 1),
+                                                    [hi(0)],
+                                                    [lo(0)],
+                                                )),
+                                            }
+                                            for (i, o) in vals[..take].iter().enumerate() {
+                                                put(g, i, &o[..8]);
+                                                put(g + 1, i, &o[8..]);
+                                            }
+                                            g += 2;
                                         }
-                                        2 => vals[..2].copy_from_slice(&($kern.p2)(
-                                            wg,
-                                            [hi(0), hi(1)],
-                                            [lo(0), lo(1)],
-                                        )),
-                                        _ => vals[..1].copy_from_slice(&($kern.p1)(
-                                            wg,
-                                            [hi(0)],
-                                            [lo(0)],
-                                        )),
+                                        None => {
+                                            let mut vals = [[0f32; 8]; 4];
+                                            match take {
+                                                4 => {
+                                                    vals = ($kern.p4)(
+                                                        wg(g),
+                                                        [hi(0), hi(1), hi(2), hi(3)],
+                                                        [lo(0), lo(1), lo(2), lo(3)],
+                                                    )
+                                                }
+                                                2 => vals[..2].copy_from_slice(&($kern.p2)(
+                                                    wg(g),
+                                                    [hi(0), hi(1)],
+                                                    [lo(0), lo(1)],
+                                                )),
+                                                _ => vals[..1].copy_from_slice(&($kern.p1)(
+                                                    wg(g),
+                                                    [hi(0)],
+                                                    [lo(0)],
+                                                )),
+                                            }
+                                            for (i, o) in vals[..take].iter().enumerate() {
+                                                put(g, i, o);
+                                            }
+                                            g += 1;
+                                        }
                                     }
                                 }};
                             }
@@ -506,17 +554,6 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                                 Rows::Q4_1x8(b) => run!(k.dot8_q4_1, b),
                                 Rows::Q8x8(b) => run!(k.dot8_q8, b),
                                 _ => unreachable!("matched above"),
-                            }
-                            for (i, o) in vals[..take].iter().enumerate() {
-                                // SAFETY: rows 8g..8g+8 of token t0 + i are inside out and owned by
-                                // this chunk.
-                                unsafe {
-                                    std::ptr::copy_nonoverlapping(
-                                        o.as_ptr(),
-                                        op.0.add((t0 + i) * out_stride + col0 + 8 * g),
-                                        8,
-                                    )
-                                };
                             }
                         }
                         t0 += take;
@@ -592,21 +629,14 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
 
 /// Two-level quantized activations: per input row, `nb` blocks of the 8-bit level, then `nb` of the
 /// residual (`ACT_LEVELS` rows).
-fn quantize_rows(x: &CpuBuffer, nb: usize) -> Vec<BlockQ8Act> {
+fn quantize_rows(team: &Team, x: &CpuBuffer, nb: usize) -> Vec<BlockQ8Act> {
     let mut a = vec![BlockQ8Act::default(); x.rows * ACT_LEVELS * nb];
-    let quantize = |(ab, xr): (&mut [BlockQ8Act], &[f32])| {
-        let (hi, lo) = ab.split_at_mut(nb);
-        quantize_two_level(xr, hi, lo);
-    };
-    if x.rows >= 8 {
-        a.par_chunks_mut(ACT_LEVELS * nb)
-            .zip(x.data.par_chunks(x.cols))
-            .for_each(quantize);
-    } else {
-        // A thread hand-off costs more than quantizing a few rows.
-        a.chunks_mut(ACT_LEVELS * nb)
-            .zip(x.data.chunks(x.cols))
-            .for_each(quantize);
-    }
+    team.for_each_chunk_mut(&mut a, ACT_LEVELS * nb, 2, &|first, chunk| {
+        for (i, ab) in chunk.chunks_exact_mut(ACT_LEVELS * nb).enumerate() {
+            let r = first + i;
+            let (hi, lo) = ab.split_at_mut(nb);
+            quantize_two_level(&x.data[r * x.cols..(r + 1) * x.cols], hi, lo);
+        }
+    });
     a
 }

@@ -10,8 +10,6 @@ pub mod team;
 #[cfg(target_arch = "x86_64")]
 mod x86_rows8;
 
-use rayon::prelude::*;
-
 pub use attention::CpuKvStore;
 pub use matrix::CpuMatrix;
 pub use simd::{Kernels, SimdLevel};
@@ -162,13 +160,14 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuBuffer, w: &Vec<f32>, eps: f32, out: &mut CpuBuffer) {
         out.resize(x.rows, x.cols);
-        for (xr, or) in x
-            .data
-            .chunks_exact(x.cols)
-            .zip(out.data.chunks_exact_mut(x.cols))
-        {
-            rms_norm_into(xr, w, eps, or);
-        }
+        let cols = x.cols;
+        self.team
+            .for_each_chunk_mut(&mut out.data, cols, 4, &|first, chunk| {
+                for (i, or) in chunk.chunks_exact_mut(cols).enumerate() {
+                    let r = first + i;
+                    rms_norm_into(&x.data[r * cols..(r + 1) * cols], w, eps, or);
+                }
+            });
     }
 
     fn head_rms_norm(
@@ -201,7 +200,7 @@ impl Backend for CpuBackend {
     ) {
         let cols = x.cols;
         let half = spec.rope_dim / 2;
-        let rotate = |(row, &pos): (&mut [f32], &usize)| {
+        let rotate = |row: &mut [f32], pos: usize| {
             let p = pos as f32 / spec.position_scale;
             let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
             for i in 0..half {
@@ -224,18 +223,12 @@ impl Backend for CpuBackend {
                 }
             }
         };
-        // A thread hand-off costs more than rotating a few rows.
-        if positions.len() >= 8 {
-            x.data
-                .par_chunks_mut(cols)
-                .zip(positions.par_iter())
-                .for_each(rotate);
-        } else {
-            x.data
-                .chunks_mut(cols)
-                .zip(positions.iter())
-                .for_each(rotate);
-        }
+        self.team
+            .for_each_chunk_mut(&mut x.data, cols, 2, &|first, chunk| {
+                for (i, row) in chunk.chunks_exact_mut(cols).enumerate() {
+                    rotate(row, positions[first + i]);
+                }
+            });
     }
 
     fn attention(
@@ -281,16 +274,15 @@ impl Backend for CpuBackend {
     fn silu_mul(&self, gu: &CpuBuffer, out: &mut CpuBuffer) {
         let h = gu.cols / 2;
         out.resize(gu.rows, h);
-        for (g, o) in gu
-            .data
-            .chunks_exact(gu.cols)
-            .zip(out.data.chunks_exact_mut(h))
-        {
-            for i in 0..h {
-                let x = g[i];
-                o[i] = x / (1.0 + (-x).exp()) * g[h + i];
-            }
-        }
+        // Element-wise across the team: even one decode row is 1.5k exponentials per layer.
+        self.team
+            .for_each_chunk_mut(&mut out.data, 1, 1024, &|first, chunk| {
+                for (j, o) in chunk.iter_mut().enumerate() {
+                    let (r, c) = ((first + j) / h, (first + j) % h);
+                    let x = gu.data[r * gu.cols + c];
+                    *o = x / (1.0 + (-x).exp()) * gu.data[r * gu.cols + h + c];
+                }
+            });
     }
 
     fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer) {

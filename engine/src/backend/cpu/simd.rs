@@ -54,12 +54,25 @@ impl SimdLevel {
 pub type Pairs8Fn<W, const T: usize> =
     fn(&[W], [&[BlockQ8Act]; T], [&[BlockQ8Act]; T]) -> [[f32; 8]; T];
 
+/// Two groups of eight weight rows (`g` and `g + 1`) against `T` two-level activation rows.
+pub type Pairs16Fn<W, const T: usize> =
+    fn(&[W], &[W], [&[BlockQ8Act]; T], [&[BlockQ8Act]; T]) -> [[f32; 16]; T];
+
 /// One eight-row kernel at three activation-row counts (two-level rows).
 #[derive(Clone, Copy)]
 pub struct Rows8<W: 'static> {
     pub p1: Pairs8Fn<W, 1>,
     pub p2: Pairs8Fn<W, 2>,
     pub p4: Pairs8Fn<W, 4>,
+    /// With 512-bit registers: two groups at once, bit-identical to two calls of the above.
+    pub wide: Option<Rows16<W>>,
+}
+
+#[derive(Clone, Copy)]
+pub struct Rows16<W: 'static> {
+    pub p1: Pairs16Fn<W, 1>,
+    pub p2: Pairs16Fn<W, 2>,
+    pub p4: Pairs16Fn<W, 4>,
 }
 
 /// The scalar two-level kernels: `hi` and `lo` are ordinary activation rows, so a pair's result is
@@ -123,11 +136,21 @@ impl Kernels {
                     p1: x86_rows8::dot8_q4_1_vnni_p1,
                     p2: x86_rows8::dot8_q4_1_vnni_p2,
                     p4: x86_rows8::dot8_q4_1_vnni_p4,
+                    wide: Some(Rows16 {
+                        p1: x86_rows8::dot16_q4_1_vnni_p1,
+                        p2: x86_rows8::dot16_q4_1_vnni_p2,
+                        p4: x86_rows8::dot16_q4_1_vnni_p4,
+                    }),
                 },
                 dot8_q8: Rows8 {
                     p1: x86_rows8::dot8_q8_unsigned_vnni_p1,
                     p2: x86_rows8::dot8_q8_unsigned_vnni_p2,
                     p4: x86_rows8::dot8_q8_unsigned_vnni_p4,
+                    wide: Some(Rows16 {
+                        p1: x86_rows8::dot16_q8_unsigned_vnni_p1,
+                        p2: x86_rows8::dot16_q8_unsigned_vnni_p2,
+                        p4: x86_rows8::dot16_q8_unsigned_vnni_p4,
+                    }),
                 },
             },
             #[cfg(target_arch = "x86_64")]
@@ -148,6 +171,7 @@ impl Kernels {
                         let b = x86_rows8::dot8_q4_1_avx2_p2(w, [h[2], h[3]], [l[2], l[3]]);
                         [a[0], a[1], b[0], b[1]]
                     },
+                    wide: None,
                 },
                 dot8_q8: Rows8 {
                     p1: x86_rows8::dot8_q8_avx2_p1,
@@ -157,6 +181,7 @@ impl Kernels {
                         let b = x86_rows8::dot8_q8_avx2_p2(w, [h[2], h[3]], [l[2], l[3]]);
                         [a[0], a[1], b[0], b[1]]
                     },
+                    wide: None,
                 },
             },
             _ => Kernels {
@@ -172,11 +197,13 @@ impl Kernels {
                     p1: scalar_pairs_q4_1::<1>,
                     p2: scalar_pairs_q4_1::<2>,
                     p4: scalar_pairs_q4_1::<4>,
+                    wide: None,
                 },
                 dot8_q8: Rows8 {
                     p1: scalar_pairs_q8::<1>,
                     p2: scalar_pairs_q8::<2>,
                     p4: scalar_pairs_q8::<4>,
+                    wide: None,
                 },
             },
         }
@@ -801,6 +828,63 @@ mod tests {
             );
             same(&(kern.p4)(&q8, h4, l4), &want8, &format!("{level:?} q8 p4"));
         }
+        // The 512-bit two-group kernels: bit-identical to the eight-row kernel on each group
+        // (the second group is the first's blocks in reverse order).
+        let q4b: Vec<BlockQ4_1x8> = q4.iter().rev().copied().collect();
+        let q8b: Vec<BlockQ8x8> = q8.iter().rev().copied().collect();
+        let mut checked = 0;
+        for level in SimdLevel::available() {
+            let k = Kernels::for_level(level);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            if let Some(wide) = k.dot8_q4_1.wide {
+                let (got, a, b) = (
+                    (wide.p4)(&q4, &q4b, h4, l4),
+                    (k.dot8_q4_1.p4)(&q4, h4, l4),
+                    (k.dot8_q4_1.p4)(&q4b, h4, l4),
+                );
+                for t in 0..4 {
+                    assert_eq!(
+                        bits(&got[t][..8]),
+                        bits(&a[t]),
+                        "{level:?} q4_1 wide, group 0"
+                    );
+                    assert_eq!(
+                        bits(&got[t][8..]),
+                        bits(&b[t]),
+                        "{level:?} q4_1 wide, group 1"
+                    );
+                }
+                let got1 = (wide.p1)(&q4, &q4b, [h4[0]], [l4[0]]);
+                assert_eq!(bits(&got1[0][..8]), bits(&a[0]), "{level:?} q4_1 wide p1");
+                let got2 = (wide.p2)(&q4, &q4b, [h4[0], h4[1]], [l4[0], l4[1]]);
+                assert_eq!(bits(&got2[1][8..]), bits(&b[1]), "{level:?} q4_1 wide p2");
+                checked += 1;
+            }
+            if let Some(wide) = k.dot8_q8.wide {
+                let (got, a, b) = (
+                    (wide.p4)(&q8, &q8b, h4, l4),
+                    (k.dot8_q8.p4)(&q8, h4, l4),
+                    (k.dot8_q8.p4)(&q8b, h4, l4),
+                );
+                for t in 0..4 {
+                    assert_eq!(
+                        bits(&got[t][..8]),
+                        bits(&a[t]),
+                        "{level:?} q8 wide, group 0"
+                    );
+                    assert_eq!(
+                        bits(&got[t][8..]),
+                        bits(&b[t]),
+                        "{level:?} q8 wide, group 1"
+                    );
+                }
+                let got1 = (wide.p1)(&q8, &q8b, [h4[0]], [l4[0]]);
+                assert_eq!(bits(&got1[0][8..]), bits(&b[0]), "{level:?} q8 wide p1");
+                let got2 = (wide.p2)(&q8, &q8b, [h4[0], h4[1]], [l4[0], l4[1]]);
+                assert_eq!(bits(&got2[1][..8]), bits(&a[1]), "{level:?} q8 wide p2");
+            }
+        }
+        eprintln!("wide kernels checked at {checked} level(s)");
     }
 
     #[test]

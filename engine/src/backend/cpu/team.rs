@@ -113,6 +113,50 @@ impl Team {
     }
 }
 
+/// A slice's base pointer, shared by tasks that each touch a disjoint range of it.
+struct SlicePtr<T>(*mut T);
+// SAFETY: only used by `for_each_chunk_mut`, whose tasks get disjoint ranges.
+unsafe impl<T: Send> Send for SlicePtr<T> {}
+unsafe impl<T: Send> Sync for SlicePtr<T> {}
+
+impl Team {
+    /// Splits `data` into contiguous chunks of whole `unit`s (a row's width, or 1 for element-wise
+    /// work), at least `min_units` each and one per thread at most, and runs `f(first_unit, chunk)`
+    /// on each across the team. Small inputs run on the calling thread: a hand-off to a spinning
+    /// worker is cheap, but not free.
+    pub fn for_each_chunk_mut<T: Send>(
+        &self,
+        data: &mut [T],
+        unit: usize,
+        min_units: usize,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        let unit = unit.max(1);
+        let n_units = data.len() / unit;
+        let per_task = n_units.div_ceil(self.threads()).max(min_units.max(1));
+        let n_tasks = n_units.div_ceil(per_task);
+        if n_tasks <= 1 {
+            f(0, data);
+            return;
+        }
+        let (base, len) = (SlicePtr(data.as_mut_ptr()), data.len());
+        self.run(n_tasks, &|task| {
+            let base = &base;
+            let first = task * per_task;
+            let start = first * unit;
+            // The last chunk takes any partial unit at the end too.
+            let end = if task + 1 == n_tasks {
+                len
+            } else {
+                (first + per_task) * unit
+            };
+            // SAFETY: tasks cover disjoint ranges of `data`, which outlives `run`.
+            let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), end - start) };
+            f(first, chunk);
+        });
+    }
+}
+
 fn work_on(job: &Job) {
     loop {
         let i = job.next.fetch_add(1, Ordering::Relaxed);
@@ -189,6 +233,21 @@ impl Drop for Team {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunks_cover_every_unit_once_in_whole_units() {
+        let team = Team::new(2);
+        for (len, unit, min_units) in [(0, 4, 1), (12, 4, 1), (1000, 7, 3), (1001, 1, 512)] {
+            let mut data = vec![0u32; len];
+            team.for_each_chunk_mut(&mut data, unit, min_units, &|first, chunk| {
+                for (i, v) in chunk.iter_mut().enumerate() {
+                    *v += (first * unit + i) as u32 + 1;
+                }
+            });
+            let want: Vec<u32> = (1..=len as u32).collect();
+            assert_eq!(data, want, "len {len} unit {unit}");
+        }
+    }
 
     #[test]
     fn every_task_runs_exactly_once_across_many_jobs() {

@@ -266,3 +266,196 @@ safe_pair_entry!(
     BlockQ8x8,
     4
 );
+
+/// Two eight-row groups side by side in one 512-bit register (group `g` in the low half, `g + 1`
+/// in the high half) against the same activation broadcast: half the `vpdpbusd`s and broadcasts of
+/// running the 256-bit kernel twice. Every lane does exactly the 256-bit kernel's operations in
+/// the same order, so the results are bit-identical to it.
+#[target_feature(enable = "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")]
+unsafe fn dot16_q4_1_pairs_vnni<const T: usize>(
+    w0: &[BlockQ4_1x8],
+    w1: &[BlockQ4_1x8],
+    hi: [&[BlockQ8Act]; T],
+    lo: [&[BlockQ8Act]; T],
+) -> [[f32; 16]; T] {
+    let nb = hi[0].len();
+    assert!(
+        w0.len() >= nb && w1.len() >= nb && hi.iter().chain(&lo).all(|r| r.len() == nb),
+        "weight and activation block counts"
+    );
+    let mask = _mm512_set1_epi8(0x0f);
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        unsafe {
+            let (wa, wb) = (w0.get_unchecked(b), w1.get_unchecked(b));
+            let (qa, qb) = (
+                wa.qs.as_ptr() as *const __m256i,
+                wb.qs.as_ptr() as *const __m256i,
+            );
+            let mut hsum = [[_mm512_setzero_si512(); 2]; T];
+            let mut lsum = [[_mm512_setzero_si512(); 2]; T];
+            for j in 0..4 {
+                let raw = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(qa.add(j))),
+                    _mm256_loadu_si256(qb.add(j)),
+                    1,
+                );
+                let nib = [
+                    _mm512_and_si512(raw, mask),
+                    _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask),
+                ];
+                for t in 0..T {
+                    let hp = hi[t].get_unchecked(b).qs.as_ptr() as *const i32;
+                    let lp = lo[t].get_unchecked(b).qs.as_ptr() as *const i32;
+                    for h in 0..2 {
+                        let k = 2 * j + h;
+                        hsum[t][h] = _mm512_dpbusd_epi32(
+                            hsum[t][h],
+                            nib[h],
+                            _mm512_set1_epi32(hp.add(k).read_unaligned()),
+                        );
+                        lsum[t][h] = _mm512_dpbusd_epi32(
+                            lsum[t][h],
+                            nib[h],
+                            _mm512_set1_epi32(lp.add(k).read_unaligned()),
+                        );
+                    }
+                }
+            }
+            let halves = |a: &[u16; 8], b: &[u16; 8]| {
+                _mm512_cvtph_ps(_mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128(a.as_ptr() as *const __m128i)),
+                    _mm_loadu_si128(b.as_ptr() as *const __m128i),
+                    1,
+                ))
+            };
+            let (d, m) = (halves(&wa.d, &wb.d), halves(&wa.m, &wb.m));
+            for t in 0..T {
+                let (hb, lb) = (hi[t].get_unchecked(b), lo[t].get_unchecked(b));
+                let isum = _mm512_add_epi32(
+                    _mm512_slli_epi32(_mm512_add_epi32(hsum[t][0], hsum[t][1]), LO_SHIFT as u32),
+                    _mm512_add_epi32(lsum[t][0], lsum[t][1]),
+                );
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(lb.d));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[t]);
+                acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(hb.s + lb.s), acc[t]);
+            }
+        }
+    }
+    let mut out = [[0f32; 16]; T];
+    for t in 0..T {
+        unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+    }
+    out
+}
+
+/// `dot8_q8_pairs_unsigned_vnni` for two groups side by side, as `dot16_q4_1_pairs_vnni`.
+#[target_feature(enable = "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")]
+unsafe fn dot16_q8_pairs_unsigned_vnni<const T: usize>(
+    w0: &[BlockQ8x8],
+    w1: &[BlockQ8x8],
+    hi: [&[BlockQ8Act]; T],
+    lo: [&[BlockQ8Act]; T],
+) -> [[f32; 16]; T] {
+    let nb = hi[0].len();
+    assert!(
+        w0.len() >= nb && w1.len() >= nb && hi.iter().chain(&lo).all(|r| r.len() == nb),
+        "weight and activation block counts"
+    );
+    let ones = _mm512_set1_epi8(1);
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        unsafe {
+            let (wa, wb) = (w0.get_unchecked(b), w1.get_unchecked(b));
+            let (qa, qb) = (
+                wa.qs.as_ptr() as *const __m256i,
+                wb.qs.as_ptr() as *const __m256i,
+            );
+            let mut wsum = [_mm512_setzero_si512(); 2];
+            let mut hsum = [[_mm512_setzero_si512(); 2]; T];
+            let mut lsum = [[_mm512_setzero_si512(); 2]; T];
+            for k in 0..8 {
+                let wv = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(qa.add(k))),
+                    _mm256_loadu_si256(qb.add(k)),
+                    1,
+                );
+                wsum[k / 4] = _mm512_dpbusd_epi32(wsum[k / 4], ones, wv);
+                for t in 0..T {
+                    let hp = hi[t].get_unchecked(b).qu.as_ptr() as *const i32;
+                    let lp = lo[t].get_unchecked(b).qu.as_ptr() as *const i32;
+                    let hv = _mm512_set1_epi32(hp.add(k).read_unaligned());
+                    let lv = _mm512_set1_epi32(lp.add(k).read_unaligned());
+                    hsum[t][k / 4] = _mm512_dpbusd_epi32(hsum[t][k / 4], hv, wv);
+                    lsum[t][k / 4] = _mm512_dpbusd_epi32(lsum[t][k / 4], lv, wv);
+                }
+            }
+            let corr = wsum.map(|s| {
+                _mm512_add_epi32(
+                    _mm512_slli_epi32(s, 2 * LO_SHIFT as u32),
+                    _mm512_slli_epi32(s, LO_SHIFT as u32),
+                )
+            });
+            let dw = [0, 1].map(|h| {
+                _mm512_cvtph_ps(_mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128(wa.d[h].as_ptr() as *const __m128i)),
+                    _mm_loadu_si128(wb.d[h].as_ptr() as *const __m128i),
+                    1,
+                ))
+            });
+            for t in 0..T {
+                let da = _mm512_set1_ps(lo[t].get_unchecked(b).d);
+                for h in 0..2 {
+                    let isum = _mm512_sub_epi32(
+                        _mm512_add_epi32(
+                            _mm512_slli_epi32(hsum[t][h], LO_SHIFT as u32),
+                            lsum[t][h],
+                        ),
+                        corr[h],
+                    );
+                    acc[t] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw[h], da), acc[t]);
+                }
+            }
+        }
+    }
+    let mut out = [[0f32; 16]; T];
+    for t in 0..T {
+        unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+    }
+    out
+}
+
+macro_rules! safe_pair16_entry {
+    ($name:ident, $inner:ident, $w:ty, $t:literal) => {
+        pub fn $name(
+            w0: &[$w],
+            w1: &[$w],
+            hi: [&[BlockQ8Act]; $t],
+            lo: [&[BlockQ8Act]; $t],
+        ) -> [[f32; 16]; $t] {
+            unsafe { $inner::<$t>(w0, w1, hi, lo) }
+        }
+    };
+}
+safe_pair16_entry!(dot16_q4_1_vnni_p1, dot16_q4_1_pairs_vnni, BlockQ4_1x8, 1);
+safe_pair16_entry!(dot16_q4_1_vnni_p2, dot16_q4_1_pairs_vnni, BlockQ4_1x8, 2);
+safe_pair16_entry!(dot16_q4_1_vnni_p4, dot16_q4_1_pairs_vnni, BlockQ4_1x8, 4);
+safe_pair16_entry!(
+    dot16_q8_unsigned_vnni_p1,
+    dot16_q8_pairs_unsigned_vnni,
+    BlockQ8x8,
+    1
+);
+safe_pair16_entry!(
+    dot16_q8_unsigned_vnni_p2,
+    dot16_q8_pairs_unsigned_vnni,
+    BlockQ8x8,
+    2
+);
+safe_pair16_entry!(
+    dot16_q8_unsigned_vnni_p4,
+    dot16_q8_pairs_unsigned_vnni,
+    BlockQ8x8,
+    4
+);
