@@ -25,9 +25,13 @@ fn batched_decode(m: &LoadedModel<CpuBackend>, batch: usize, context: usize, ste
     let c = m.config();
     let per_seq = (context + steps).div_ceil(BLOCK);
     let mut alloc = BlockAllocator::new(per_seq * batch, BLOCK);
-    let mut kv = m
-        .backend
-        .kv_store(c.n_layers, per_seq * batch, BLOCK, c.kv_width());
+    let mut kv = m.backend.kv_store(
+        c.n_layers,
+        per_seq * batch,
+        BLOCK,
+        c.kv_width(),
+        m.model.precision,
+    );
     let mut ws = Workspace::new(&m.backend);
     let mut seqs: Vec<SeqBlocks> = (0..batch).map(|_| SeqBlocks::default()).collect();
     for s in &mut seqs {

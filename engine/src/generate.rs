@@ -66,9 +66,13 @@ impl<B: Backend> SingleSequence<B> {
         let c = m.config();
         let n_blocks = max_len.div_ceil(DEFAULT_BLOCK_SIZE);
         SingleSequence {
-            kv: m
-                .backend
-                .kv_store(c.n_layers, n_blocks, DEFAULT_BLOCK_SIZE, c.kv_width()),
+            kv: m.backend.kv_store(
+                c.n_layers,
+                n_blocks,
+                DEFAULT_BLOCK_SIZE,
+                c.kv_width(),
+                m.model.precision,
+            ),
             alloc: BlockAllocator::new(n_blocks, DEFAULT_BLOCK_SIZE),
             ws: Workspace::new(&m.backend),
         }

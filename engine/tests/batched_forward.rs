@@ -24,7 +24,9 @@ fn run(
 ) -> Vec<Vec<f32>> {
     let c = m.config();
     let mut alloc = BlockAllocator::new(64, BLOCK);
-    let mut kv = m.backend.kv_store(c.n_layers, 64, BLOCK, c.kv_width());
+    let mut kv = m
+        .backend
+        .kv_store(c.n_layers, 64, BLOCK, c.kv_width(), m.model.precision);
     let mut ws = Workspace::new(&m.backend);
     let mut done = vec![0usize; seqs.len()];
     let mut all_logits = Vec::new();
@@ -221,7 +223,9 @@ fn tree_verification_equals_each_path_run_alone_and_moved_kv_decodes_on() {
     let mask = tree.verify_mask();
     let n = prompt.len();
     let mut alloc = BlockAllocator::new(64, BLOCK);
-    let mut kv = m.backend.kv_store(c.n_layers, 64, BLOCK, c.kv_width());
+    let mut kv = m
+        .backend
+        .kv_store(c.n_layers, 64, BLOCK, c.kv_width(), m.model.precision);
     let mut ws = Workspace::new(&m.backend);
     let mut blocks = SeqBlocks::default();
     blocks.reserve(&mut alloc, n + tree.len()).expect("kv fits");

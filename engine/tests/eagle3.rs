@@ -39,9 +39,13 @@ fn captured(m: &LoadedModel<CpuBackend>, prompt: &[u32], layers: &[usize]) -> Ve
     let mut alloc = BlockAllocator::new(n.div_ceil(BLOCK), BLOCK);
     let mut seq = SeqBlocks::default();
     seq.reserve(&mut alloc, n).expect("kv");
-    let mut kv = m
-        .backend
-        .kv_store(c.n_layers, n.div_ceil(BLOCK), BLOCK, c.kv_width());
+    let mut kv = m.backend.kv_store(
+        c.n_layers,
+        n.div_ceil(BLOCK),
+        BLOCK,
+        c.kv_width(),
+        m.model.precision,
+    );
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,
@@ -87,7 +91,9 @@ fn run_draft(
     let mut alloc = BlockAllocator::new(blocks, BLOCK);
     let mut seq = SeqBlocks::default();
     seq.reserve(&mut alloc, n + 1).expect("kv");
-    let mut kv = m.backend.kv_store(1, blocks, BLOCK, draft.kv_width());
+    let mut kv = m
+        .backend
+        .kv_store(1, blocks, BLOCK, draft.kv_width(), Precision::Exact);
     let mut ws = DraftWorkspace::new(&m.backend);
     let all: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
@@ -114,7 +120,9 @@ fn run_draft(
     let mut step1 = Vec::new();
     for t in 0..n - 2 {
         // A fresh cache with the extend's entries 0..=t, then the chained step at t + 1.
-        let mut kv = m.backend.kv_store(1, blocks, BLOCK, draft.kv_width());
+        let mut kv = m
+            .backend
+            .kv_store(1, blocks, BLOCK, draft.kv_width(), Precision::Exact);
         let prefix: Vec<usize> = (0..=t).collect();
         let aux_prefix: Vec<CpuBuffer> = aux
             .iter()

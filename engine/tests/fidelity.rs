@@ -77,7 +77,7 @@ fn teacher_forced(m: &LoadedModel<CpuBackend>, case: &Case) -> Vec<Vec<f32>> {
     seq.reserve(&mut alloc, n).expect("kv");
     let mut kv = m
         .backend
-        .kv_store(c.n_layers, n_blocks, block, c.kv_width());
+        .kv_store(c.n_layers, n_blocks, block, c.kv_width(), m.model.precision);
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,

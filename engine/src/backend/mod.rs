@@ -100,12 +100,15 @@ pub trait Backend: Send + Sync {
     fn vector_from_host(&self, values: &[f32]) -> Result<Self::Vector>;
     /// A buffer of `n_rows * width` zeros.
     fn buffer(&self, n_rows: usize, width: usize) -> Self::Buffer;
+    /// The paged KV cache. `precision` lets a backend store it narrower in fast mode (the CPU
+    /// backend keeps f16 cells where its AVX-512 kernel reads them; exact mode is always f32).
     fn kv_store(
         &self,
         n_layers: usize,
         n_blocks: usize,
         block_size: usize,
         kv_width: usize,
+        precision: Precision,
     ) -> Self::KvStore;
 
     /// `out[t] = table[ids[t]]` (rows of an embedding matrix, dequantized).

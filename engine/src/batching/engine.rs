@@ -244,6 +244,7 @@ impl<B: Backend> Engine<B> {
             n_blocks,
             cfg.block_size,
             model.model.local_kv_width(),
+            model.model.precision,
         );
         let mut ws = Workspace::new(&model.backend);
         let eagle = draft

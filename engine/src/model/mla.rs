@@ -310,7 +310,8 @@ impl<B: Backend> MlaWeights<B> {
             })
             .collect();
         let total: usize = tables.iter().map(|t| t.len()).sum();
-        let mut scratch = backend.kv_store(1, total, BLOCK, width);
+        // f32 whatever the mode: a per-step scratch for the decompressed keys and values.
+        let mut scratch = backend.kv_store(1, total, BLOCK, width, Precision::Exact);
         let local: Vec<SeqSpan<'_>> = spans
             .iter()
             .zip(&tables)

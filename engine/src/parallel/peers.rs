@@ -85,6 +85,7 @@ fn peer_main(
             cfg.n_blocks,
             cfg.block_size,
             model.local_kv_width(),
+            cfg.precision,
         );
         let ws = Workspace::new(&backend);
         Ok((backend, model, kv, ws))

@@ -63,7 +63,13 @@ pub fn greedy(path: &Path, opts: TpOptions, prompt: &[u32], max_new: usize) -> R
             c.max_context
         )));
     }
-    let mut kv = backend.kv_store(c.n_layers, n_blocks, BLOCK_SIZE, model.local_kv_width());
+    let mut kv = backend.kv_store(
+        c.n_layers,
+        n_blocks,
+        BLOCK_SIZE,
+        model.local_kv_width(),
+        opts.precision,
+    );
     let table: Vec<u32> = (0..n_blocks as u32).collect();
     let mut ws = Workspace::new(&backend);
     let mut run = GreedyRun {

@@ -136,9 +136,13 @@ pub fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) ->
     let mut alloc = BlockAllocator::new(n.div_ceil(16), 16);
     let mut seq = SeqBlocks::default();
     seq.reserve(&mut alloc, n).expect("kv");
-    let mut kv = m
-        .backend
-        .kv_store(c.n_layers, n.div_ceil(16), 16, c.kv_width());
+    let mut kv = m.backend.kv_store(
+        c.n_layers,
+        n.div_ceil(16),
+        16,
+        c.kv_width(),
+        m.model.precision,
+    );
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,

@@ -3,14 +3,66 @@
 //! pool without copying.
 
 use super::CpuBuffer;
+use super::blocks::{f16_to_f32, f32_to_f16};
 use super::simd::Kernels;
 use super::team::Team;
 
 thread_local! {
     /// Attention scores of the task this thread runs, reused across tasks.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// An f16 cache's blocks of the task's sequence widened to f32 for the generic kernels: K,
+    /// V, and the identity block table over them.
+    static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<u32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 use crate::backend::SeqSpan;
+
+/// One layer's K or V cells: f32, or f16 (IEEE half) in fast mode on CPUs with the AVX-512
+/// kernel, which halves the bytes attention streams at high concurrency.
+pub enum KvCells {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+impl KvCells {
+    fn zeros(n: usize, half: bool) -> KvCells {
+        if half {
+            KvCells::F16(vec![0; n])
+        } else {
+            KvCells::F32(vec![0.0; n])
+        }
+    }
+
+    #[inline]
+    fn set(&mut self, i: usize, v: f32) {
+        match self {
+            KvCells::F32(c) => c[i] = v,
+            KvCells::F16(c) => c[i] = f32_to_f16(v),
+        }
+    }
+
+    fn copy_cell(&mut self, from: usize, to: usize) {
+        match self {
+            KvCells::F32(c) => c[to] = c[from],
+            KvCells::F16(c) => c[to] = c[from],
+        }
+    }
+
+    fn copy_within(&mut self, src: std::ops::Range<usize>, dst: usize) {
+        match self {
+            KvCells::F32(c) => c.copy_within(src, dst),
+            KvCells::F16(c) => c.copy_within(src, dst),
+        }
+    }
+
+    /// Cells `range` as f32 into `out` (cleared first).
+    fn widen_into(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        match self {
+            KvCells::F32(c) => out.extend_from_slice(&c[range]),
+            KvCells::F16(c) => out.extend(c[range].iter().map(|&h| f16_to_f32(h))),
+        }
+    }
+}
 
 /// K and V of every layer. V is `[n_blocks * block_size, kv_width]`, one row per cached position. K is
 /// transposed inside each block, `[n_blocks][kv_head][head_dim][block_size]`, so the scores of
@@ -18,19 +70,30 @@ use crate::backend::SeqSpan;
 pub struct CpuKvStore {
     pub block_size: usize,
     pub kv_width: usize,
-    pub layers: Vec<(Vec<f32>, Vec<f32>)>,
+    pub layers: Vec<(KvCells, KvCells)>,
 }
 
 impl CpuKvStore {
-    pub fn new(n_layers: usize, n_blocks: usize, block_size: usize, kv_width: usize) -> CpuKvStore {
+    /// `half`: store f16 cells (see [`KvCells`]).
+    pub fn new(
+        n_layers: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_width: usize,
+        half: bool,
+    ) -> CpuKvStore {
         let n = n_blocks * block_size * kv_width;
         CpuKvStore {
             block_size,
             kv_width,
             layers: (0..n_layers)
-                .map(|_| (vec![0f32; n], vec![0f32; n]))
+                .map(|_| (KvCells::zeros(n, half), KvCells::zeros(n, half)))
                 .collect(),
         }
+    }
+
+    pub fn is_half(&self) -> bool {
+        matches!(self.layers.first(), Some((KvCells::F16(_), _)))
     }
 
     /// Writes position `pos`'s K row (`[kv_head][head_dim]`) and V row into their slots.
@@ -38,10 +101,13 @@ impl CpuKvStore {
         let (bs, w) = (self.block_size, self.kv_width);
         let (phys, i) = (table[pos / bs] as usize, pos % bs);
         let (kc, vc) = &mut self.layers[layer];
-        vc[(phys * bs + i) * w..(phys * bs + i + 1) * w].copy_from_slice(v);
-        let kt = &mut kc[phys * bs * w..(phys + 1) * bs * w];
+        let v0 = (phys * bs + i) * w;
+        for (c, &x) in v.iter().enumerate() {
+            vc.set(v0 + c, x);
+        }
+        let k0 = phys * bs * w;
         for (c, &x) in k.iter().enumerate() {
-            kt[c * bs + i] = x;
+            kc.set(k0 + c * bs + i, x);
         }
     }
 
@@ -57,7 +123,7 @@ impl CpuKvStore {
                     (pt * bs + i_t) * w,
                 );
                 for c in 0..w {
-                    kc[pt * bs * w + c * bs + i_t] = kc[pf * bs * w + c * bs + i_f];
+                    kc.copy_cell(pf * bs * w + c * bs + i_f, pt * bs * w + c * bs + i_t);
                 }
             }
         }
@@ -120,7 +186,7 @@ pub fn attention(
     let group = n_heads / n_kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let kv = &*kv;
-    let (kc, vc) = &kv.layers[layer];
+    let (kcells, vcells) = &kv.layers[layer];
     let out_ptr = OutPtr(out.data.as_mut_ptr());
     let use_avx2 = k.level >= super::SimdLevel::Avx2;
     let use_avx512 = k.level >= super::SimdLevel::Avx512Vnni;
@@ -128,21 +194,25 @@ pub fn attention(
         let op = out_ptr;
         let (t, kvh) = (task / n_kv_heads, task % n_kv_heads);
         let s = &spans[owner[t]];
-        let job = Job {
-            q: &qkv.data[t * qkv.cols + kvh * group * head_dim
-                ..t * qkv.cols + (kvh + 1) * group * head_dim],
-            kc,
-            vc,
-            kv,
-            table: s.block_table,
-            kv_width,
-            kv_offset: kvh * head_dim,
-            head_dim,
-            group,
-            n_ctx: s.start_pos + (t - s.first_token) + 1,
-            scale,
-            mask: s.tree.map(|m| (m.base, m.rows[t - s.first_token])),
-        };
+        macro_rules! job {
+            ($kc:expr, $vc:expr, $table:expr) => {
+                Job {
+                    q: &qkv.data[t * qkv.cols + kvh * group * head_dim
+                        ..t * qkv.cols + (kvh + 1) * group * head_dim],
+                    kc: $kc,
+                    vc: $vc,
+                    kv,
+                    table: $table,
+                    kv_width,
+                    kv_offset: kvh * head_dim,
+                    head_dim,
+                    group,
+                    n_ctx: s.start_pos + (t - s.first_token) + 1,
+                    scale,
+                    mask: s.tree.map(|m| (m.base, m.rows[t - s.first_token])),
+                }
+            };
+        }
         // SAFETY: each task owns the disjoint `group * head_dim` outputs of (t, kvh).
         let o = unsafe {
             std::slice::from_raw_parts_mut(
@@ -150,33 +220,67 @@ pub fn attention(
                 group * head_dim,
             )
         };
-        SCORES.with_borrow_mut(|scores| {
-            #[cfg(target_arch = "x86_64")]
-            if use_avx512 && job.mask.is_some() {
-                // Tree tokens are few: the general kernel applies the mask.
-                // SAFETY: as below.
-                unsafe { attend_avx512(&job, scores, o) };
-                return;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if use_avx512 {
-                // SAFETY: as below; this level implies AVX-512 F and VL.
-                if unsafe { super::attention_x86::attend_hd64(&job, scores, o) } {
-                    return;
+        SCORES.with_borrow_mut(|scores| match (kcells, vcells) {
+            (KvCells::F32(kc), KvCells::F32(vc)) => {
+                let j = job!(kc, vc, s.block_table);
+                #[cfg(target_arch = "x86_64")]
+                if use_avx512 && j.mask.is_none() {
+                    let cells = super::attention_x86::Cells::F32(kc, vc);
+                    // SAFETY: this level implies AVX-512 F.
+                    if unsafe { super::attention_x86::attend_hd64(&j, cells, scores, o) } {
+                        return;
+                    }
                 }
-                unsafe { attend_avx512(&job, scores, o) };
-                return;
+                attend_any(&j, use_avx2, use_avx512, scores, o);
             }
-            #[cfg(target_arch = "x86_64")]
-            if use_avx2 {
-                // SAFETY: the kernel level was chosen from detected CPU features.
-                unsafe { attend_avx2(&job, scores, o) };
-                return;
+            (KvCells::F16(kc), KvCells::F16(vc)) => {
+                #[cfg(target_arch = "x86_64")]
+                if use_avx512 && s.tree.is_none() {
+                    let j = job!(&[], &[], s.block_table);
+                    let cells = super::attention_x86::Cells::F16(kc, vc);
+                    // SAFETY: this level implies AVX-512 F.
+                    if unsafe { super::attention_x86::attend_hd64(&j, cells, scores, o) } {
+                        return;
+                    }
+                }
+                // The generic kernels read f32: widen this sequence's blocks.
+                WIDE.with_borrow_mut(|(wk, wv, table)| {
+                    let bs = kv.block_size;
+                    let n_ctx = s.start_pos + (t - s.first_token) + 1;
+                    wk.clear();
+                    wv.clear();
+                    table.clear();
+                    for (b, &phys) in s.block_table[..n_ctx.div_ceil(bs)].iter().enumerate() {
+                        let cells =
+                            phys as usize * bs * kv_width..(phys as usize + 1) * bs * kv_width;
+                        kcells.widen_into(cells.clone(), wk);
+                        vcells.widen_into(cells, wv);
+                        table.push(b as u32);
+                    }
+                    attend_any(&job!(wk, wv, table), use_avx2, use_avx512, scores, o);
+                });
             }
-            let _ = (use_avx2, use_avx512);
-            attend(&job, scores, o);
+            _ => unreachable!("K and V cells share one type"),
         });
     });
+}
+
+/// The generic loops, compiled for the best level the CPU has.
+fn attend_any(j: &Job<'_>, use_avx2: bool, use_avx512: bool, scores: &mut Vec<f32>, o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512 {
+        // SAFETY: the kernel level was chosen from detected CPU features.
+        unsafe { attend_avx512(j, scores, o) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if use_avx2 {
+        // SAFETY: as above.
+        unsafe { attend_avx2(j, scores, o) };
+        return;
+    }
+    let _ = (use_avx2, use_avx512);
+    attend(j, scores, o);
 }
 
 /// One (token, KV head) of attention: `group` query heads over `n_ctx` cached positions.

@@ -121,8 +121,12 @@ impl Backend for CpuBackend {
         n_blocks: usize,
         block_size: usize,
         kv_width: usize,
+        precision: Precision,
     ) -> CpuKvStore {
-        CpuKvStore::new(n_layers, n_blocks, block_size, kv_width)
+        // f16 cells only where the AVX-512 attention kernel widens them as it loads; elsewhere
+        // every task would have to widen its blocks first.
+        let half = precision == Precision::Fast && self.kernels.level >= SimdLevel::Avx512Vnni;
+        CpuKvStore::new(n_layers, n_blocks, block_size, kv_width, half)
     }
 
     fn embed(&self, table: &CpuMatrix, ids: &[u32], out: &mut CpuBuffer) -> Result<()> {
