@@ -224,7 +224,7 @@ pub fn attention(
             (KvCells::F32(kc), KvCells::F32(vc)) => {
                 let j = job!(kc, vc, s.block_table);
                 #[cfg(target_arch = "x86_64")]
-                if use_avx512 && j.mask.is_none() {
+                if use_avx512 {
                     let cells = super::attention_x86::Cells::F32(kc, vc);
                     // SAFETY: this level implies AVX-512 F.
                     if unsafe { super::attention_x86::attend_hd64(&j, cells, scores, o) } {
@@ -235,7 +235,7 @@ pub fn attention(
             }
             (KvCells::F16(kc), KvCells::F16(vc)) => {
                 #[cfg(target_arch = "x86_64")]
-                if use_avx512 && s.tree.is_none() {
+                if use_avx512 {
                     let j = job!(&[], &[], s.block_table);
                     let cells = super::attention_x86::Cells::F16(kc, vc);
                     // SAFETY: this level implies AVX-512 F.

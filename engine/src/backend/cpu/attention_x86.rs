@@ -16,8 +16,9 @@ pub enum Cells<'a> {
 }
 
 /// Handles the job when its shape fits (head_dim 64, 1..=4 query heads per KV head, blocks of a
-/// multiple of 16 positions); `false` leaves it to the generic loops. `cells` replaces the job's
-/// `kc` / `vc`.
+/// multiple of 16 positions), tree mask or not; `false` leaves it to the generic loops. `cells`
+/// replaces the job's `kc` / `vc`. Plain decoding, chain verification and tree verification all
+/// run this one kernel, so speculative greedy output equals plain greedy output bit for bit.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F.
@@ -111,6 +112,17 @@ unsafe fn attend<const G: usize, const HALF: bool>(
                 }
             }
             c0 += 16;
+        }
+    }
+    // Tree verification: invisible positions drop out exactly (exp(-inf) = 0 adds nothing), so a
+    // tree token's attention equals what plain decoding of the same path computes here.
+    if let Some((base, bits)) = j.mask {
+        for p in base..n {
+            if bits.checked_shr((p - base) as u32).unwrap_or(0) & 1 == 0 {
+                for g in 0..G {
+                    scores[g * n + p] = f32::NEG_INFINITY;
+                }
+            }
         }
     }
     softmax_rows(scores, G, n);
