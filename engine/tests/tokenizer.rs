@@ -114,3 +114,35 @@ fn special_tokens_in_text_become_their_ids() {
     assert_eq!(ids.last(), Some(&2));
     assert!(tok.is_eos(2));
 }
+
+#[test]
+fn deepseek_v3_pre_tokenizer_matches_llama_cpp() {
+    // llama.cpp's ids for texts under `deepseek-v3`, over Qwen2.5-Coder's vocabulary (no
+    // DeepSeek vocabulary is reachable here): tests/reference/make_deepseek3_pretokenizer_fixture.py.
+    let f = common::fixture("deepseek-v3-pretokenizer.json");
+    let g = kiln::weights::gguf::GgufFile::open(common::qwen()).expect("gguf");
+    let ds = Tokenizer::from_gguf_with_pre(&g, Some("deepseek-v3")).expect("deepseek-v3");
+    let own = Tokenizer::from_gguf(&g).expect("qwen2");
+    let cases = f["cases"].as_array().expect("cases");
+    let mut told_apart = 0;
+    for c in cases {
+        let text = c["text"].as_str().expect("text");
+        let want: Vec<u32> = serde_json::from_value(c["ids"].clone()).expect("ids");
+        let qwen: Vec<u32> = serde_json::from_value(c["qwen2_ids"].clone()).expect("ids");
+        assert_eq!(
+            ds.encode(text, false).expect("encode"),
+            want,
+            "deepseek-v3: {text:?}"
+        );
+        assert_eq!(
+            own.encode(text, false).expect("encode"),
+            qwen,
+            "qwen2: {text:?}"
+        );
+        told_apart += usize::from(want != qwen);
+    }
+    assert!(
+        told_apart >= 2,
+        "the fixture must tell the pre-tokenizers apart"
+    );
+}

@@ -27,6 +27,14 @@ const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{
 /// Llama 3's pattern: digits in groups of up to three.
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// DeepSeek-V3's three splits in order (llama.cpp's `deepseek-v3`, its tokenizer.json's
+/// `Split`s): digit runs of up to three, CJK runs, then letters / punctuation / whitespace.
+const DEEPSEEK3_PATTERNS: [&str; 3] = [
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
+];
+
 const TOKEN_TYPE_CONTROL: u64 = 3;
 const TOKEN_TYPE_USER_DEFINED: u64 = 4;
 
@@ -72,6 +80,12 @@ fn pre_tokenizer(g: &GgufFile, pre: &str) -> Result<PreTokenizerWrapper> {
             split(QWEN2_PATTERN)?,
             byte_level(false),
         ])),
+        "deepseek-v3" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            split(DEEPSEEK3_PATTERNS[0])?,
+            split(DEEPSEEK3_PATTERNS[1])?,
+            split(DEEPSEEK3_PATTERNS[2])?,
+            byte_level(false),
+        ])),
         "llama3" | "llama-bpe" | "smaug-bpe" | "dbrx" => {
             PreTokenizerWrapper::Sequence(Sequence::new(vec![
                 split(LLAMA3_PATTERN)?,
@@ -87,7 +101,8 @@ fn pre_tokenizer(g: &GgufFile, pre: &str) -> Result<PreTokenizerWrapper> {
     })
 }
 
-pub fn build(g: &GgufFile) -> Result<Built> {
+/// `pre`: the pre-tokenizer to use instead of the file's `tokenizer.ggml.pre` (None: the file's).
+pub fn build(g: &GgufFile, pre: Option<&str>) -> Result<Built> {
     let model = g.meta_str("tokenizer.ggml.model").unwrap_or("");
     if model != "gpt2" {
         return Err(Error::format(
@@ -125,7 +140,9 @@ pub fn build(g: &GgufFile) -> Result<Built> {
         .build()
         .map_err(|e| Error::Tokenizer(format!("{}: building BPE: {e}", g.path.display())))?;
     let mut tok = tokenizers::Tokenizer::new(bpe);
-    let pre = g.meta_str("tokenizer.ggml.pre").unwrap_or("default");
+    let pre = pre
+        .or_else(|| g.meta_str("tokenizer.ggml.pre"))
+        .unwrap_or("default");
     tok.with_pre_tokenizer(Some(pre_tokenizer(g, pre)?));
     tok.with_decoder(Some(ByteLevelDecoder::default()));
     let mut special = Vec::new();

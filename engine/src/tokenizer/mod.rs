@@ -26,7 +26,13 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer> {
-        let built = gguf_vocab::build(g)?;
+        Self::from_gguf_with_pre(g, None)
+    }
+
+    /// As [`Tokenizer::from_gguf`], with the named pre-tokenizer instead of the file's (tests
+    /// check a pre-tokenizer on another model's vocabulary).
+    pub fn from_gguf_with_pre(g: &GgufFile, pre: Option<&str>) -> Result<Tokenizer> {
+        let built = gguf_vocab::build(g, pre)?;
         let template = match g.meta_str("tokenizer.chat_template") {
             Some(src) => Some(ChatTemplate::new(
                 src,
