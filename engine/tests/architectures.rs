@@ -11,7 +11,6 @@ use common::tiny_with_tokenizer as with_tokenizer;
 
 use kiln::backend::Precision;
 use kiln::backend::cpu::CpuBackend;
-use kiln::generate::{GenerateOptions, SingleSequence};
 use kiln::load::load_model;
 
 fn check(name: &str, dir: &Path, case: &serde_json::Value) {
@@ -30,15 +29,7 @@ fn check(name: &str, dir: &Path, case: &serde_json::Value) {
         mid < 1e-4 && last < 1e-4,
         "{name}: logit errors {mid:e} (pos 10), {last:e} (last)"
     );
-    let opts = GenerateOptions {
-        max_tokens: greedy.len(),
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let out = SingleSequence::new(&m, 64)
-        .generate(&m, &prompt, &opts, |_| {})
-        .expect("generate")
-        .ids();
+    let out = common::greedy_ids(&m, &prompt, greedy.len());
     let trusted = margins.iter().take_while(|&&g| g > 1e-3).count();
     assert_eq!(out[..trusted], greedy[..trusted], "{name}: greedy");
 }

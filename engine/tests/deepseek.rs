@@ -13,8 +13,7 @@ use std::time::Duration;
 
 use kiln::backend::Precision;
 use kiln::backend::cpu::CpuBackend;
-use kiln::generate::{GenerateOptions, SingleSequence};
-use kiln::load::{load_model, open_weights};
+use kiln::load::{LoadedModel, load_model, open_weights};
 use kiln::model::mla::MlaForm;
 use kiln::model::moe::route;
 use kiln::parallel::tp::{TpOptions, greedy};
@@ -40,37 +39,35 @@ fn models() -> Vec<serde_json::Value> {
     models
 }
 
+/// Logits at position 10 and at the last prompt position within 1e-4 of the case's reference, and
+/// its greedy tokens through the paged cache.
+fn matches_reference(m: &LoadedModel<CpuBackend>, case: &serde_json::Value, name: &str) {
+    let prompt = ids(case, "prompt_ids");
+    let got = common::logits_at(m, &prompt, &[10, prompt.len() - 1]);
+    let (mid, last) = (
+        common::rel_err(&got[0], &floats(case, "mid_logits")),
+        common::rel_err(&got[1], &floats(case, "last_logits")),
+    );
+    assert!(
+        mid < 1e-4 && last < 1e-4,
+        "{name}: logit errors {mid:e} (pos 10), {last:e} (last)"
+    );
+    let greedy = ids(case, "greedy_ids");
+    let out = common::greedy_ids(m, &prompt, greedy.len());
+    assert_eq!(out, greedy, "{name}: greedy tokens");
+    eprintln!(
+        "{name}: logits within {mid:.1e} / {last:.1e}, {} greedy tokens equal",
+        out.len()
+    );
+}
+
 #[test]
 fn logits_and_greedy_tokens_match_transformers() {
     for case in models() {
         let name = case["name"].as_str().expect("name");
         let dir = common::tiny_with_tokenizer(name);
         let m = load_model(CpuBackend::new(), &dir, Precision::Exact, |_, _| {}).expect("load");
-        let prompt = ids(&case, "prompt_ids");
-        let got = common::logits_at(&m, &prompt, &[10, prompt.len() - 1]);
-        let (mid, last) = (
-            common::rel_err(&got[0], &floats(&case, "mid_logits")),
-            common::rel_err(&got[1], &floats(&case, "last_logits")),
-        );
-        assert!(
-            mid < 1e-4 && last < 1e-4,
-            "{name}: logit errors {mid:e} (pos 10), {last:e} (last)"
-        );
-        let greedy = ids(&case, "greedy_ids");
-        let opts = GenerateOptions {
-            max_tokens: greedy.len(),
-            ignore_eos: true,
-            ..Default::default()
-        };
-        let out = SingleSequence::new(&m, 64)
-            .generate(&m, &prompt, &opts, |_| {})
-            .expect("generate")
-            .ids();
-        assert_eq!(out, greedy, "{name}: greedy tokens");
-        eprintln!(
-            "{name}: logits within {mid:.1e} / {last:.1e}, {} greedy tokens equal",
-            out.len()
-        );
+        matches_reference(&m, &case, name);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
@@ -236,28 +233,7 @@ fn gguf_files_from_llama_cpps_converter_match_transformers() {
             (4, 2, 1)
         );
         assert!(moe.norm_topk_prob && moe.routed_scaling_factor == 2.5);
-        let prompt = ids(&case, "prompt_ids");
-        let got = common::logits_at(&m, &prompt, &[10, prompt.len() - 1]);
-        let (mid, last) = (
-            common::rel_err(&got[0], &floats(&case, "mid_logits")),
-            common::rel_err(&got[1], &floats(&case, "last_logits")),
-        );
-        assert!(
-            mid < 1e-4 && last < 1e-4,
-            "{name}: logit errors {mid:e} (pos 10), {last:e} (last)"
-        );
-        let greedy = ids(&case, "greedy_ids");
-        let opts = GenerateOptions {
-            max_tokens: greedy.len(),
-            ignore_eos: true,
-            ..Default::default()
-        };
-        let out = SingleSequence::new(&m, 64)
-            .generate(&m, &prompt, &opts, |_| {})
-            .expect("generate")
-            .ids();
-        assert_eq!(out, greedy, "{name}: greedy tokens");
-        eprintln!("{name}: logits within {mid:.1e} / {last:.1e}, greedy tokens equal");
+        matches_reference(&m, &case, name);
     }
 }
 

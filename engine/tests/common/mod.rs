@@ -73,6 +73,19 @@ pub fn tiny_with_tokenizer(name: &str) -> PathBuf {
     dst
 }
 
+/// `n` greedy tokens after `prompt`, through the paged cache (prefill, then one-token steps).
+pub fn greedy_ids(m: &LoadedModel<CpuBackend>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let opts = kiln::generate::GenerateOptions {
+        max_tokens: n,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    kiln::generate::SingleSequence::new(m, 64)
+        .generate(m, prompt, &opts, |_| {})
+        .expect("generate")
+        .ids()
+}
+
 /// A minimal GGUF v3 writer for error-path tests: string and u32 metadata, raw tensor bytes.
 pub enum Meta<'a> {
     Str(&'a str),
