@@ -324,7 +324,7 @@ pub(super) fn softmax_rows(scores: &mut [f32], rows: usize, n: usize) {
         }
         let mut sum = 0f32;
         for v in sc.iter_mut() {
-            *v = (*v - max).exp();
+            *v = super::exp::exp(*v - max);
             sum += *v;
         }
         let inv = 1.0 / sum;
