@@ -16,7 +16,7 @@ use kiln::backend::cpu::CpuBackend;
 use kiln::load::{LoadedModel, load_model, open_weights};
 use kiln::model::mla::MlaForm;
 use kiln::model::moe::route;
-use kiln::parallel::tp::{TpOptions, greedy};
+use kiln::parallel::tp::{GreedyRun, TpOptions, greedy};
 
 fn fixture_dir(case: &serde_json::Value) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -141,6 +141,23 @@ fn router_choices_and_weights_match_transformers() {
     }
 }
 
+/// `n` greedy tokens over `world` rank threads, exact mode.
+fn tp_greedy(
+    path: &std::path::Path,
+    world: usize,
+    prompt: &[u32],
+    n: usize,
+    name: &str,
+) -> GreedyRun {
+    let opts = TpOptions {
+        world,
+        precision: Precision::Exact,
+        threads_per_rank: 1,
+        timeout: Duration::from_secs(300),
+    };
+    greedy(path, opts, prompt, n).unwrap_or_else(|e| panic!("{name}, TP={world}: {e}"))
+}
+
 #[test]
 fn heads_and_experts_split_over_2_and_4_ranks_match_the_whole_model() {
     for case in models() {
@@ -148,16 +165,7 @@ fn heads_and_experts_split_over_2_and_4_ranks_match_the_whole_model() {
         let path = fixture_dir(&case);
         let prompt = ids(&case, "prompt_ids");
         let reference = ids(&case, "greedy_ids");
-        let run = |world| {
-            let opts = TpOptions {
-                world,
-                precision: Precision::Exact,
-                threads_per_rank: 1,
-                timeout: Duration::from_secs(300),
-            };
-            greedy(&path, opts, &prompt, reference.len())
-                .unwrap_or_else(|e| panic!("{name}, TP={world}: {e}"))
-        };
+        let run = |world| tp_greedy(&path, world, &prompt, reference.len(), name);
         let whole = run(1);
         assert_eq!(whole.tokens, reference, "{name}: TP=1 vs transformers");
         for world in [2, 4] {
@@ -241,15 +249,7 @@ fn gguf_files_from_llama_cpps_converter_match_transformers() {
 fn a_gguf_split_over_2_ranks_matches_the_whole_model() {
     let (path, case) = gguf_files().remove(0);
     let prompt = ids(&case, "prompt_ids");
-    let run = |world| {
-        let opts = TpOptions {
-            world,
-            precision: Precision::Exact,
-            threads_per_rank: 1,
-            timeout: Duration::from_secs(300),
-        };
-        greedy(&path, opts, &prompt, 8).unwrap_or_else(|e| panic!("TP={world}: {e}"))
-    };
+    let run = |world| tp_greedy(&path, world, &prompt, 8, "f32 GGUF");
     let (whole, split) = (run(1), run(2));
     assert_eq!(whole.tokens, ids(&case, "greedy_ids")[..8], "TP=1");
     assert_eq!(split.tokens, whole.tokens, "TP=2 vs TP=1");

@@ -99,6 +99,11 @@ impl MlaConfig {
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
+
+    /// The width of one cached row, `[k_pe | latent]`: the model's single KV head.
+    pub fn cache_width(&self) -> usize {
+        self.qk_rope_head_dim + self.kv_lora_rank
+    }
 }
 
 /// DeepSeek-V3's mixture of experts: sigmoid router scores plus a correction bias choose
@@ -217,7 +222,7 @@ impl ModelConfig {
         };
         // MLA caches one `[k_pe | latent]` row per token: a single KV head of that width.
         let (n_kv_heads, head_dim) = match &mla {
-            Some(m) => (1, m.qk_rope_head_dim + m.kv_lora_rank),
+            Some(m) => (1, m.cache_width()),
             None => (n_kv_heads, head_dim),
         };
         let cfg = ModelConfig {
@@ -344,7 +349,7 @@ impl ModelConfig {
             (None, None)
         };
         let (n_kv_heads, head_dim, rope_dim) = match &mla {
-            Some(m) => (1, m.qk_rope_head_dim + m.kv_lora_rank, m.qk_rope_head_dim),
+            Some(m) => (1, m.cache_width(), m.qk_rope_head_dim),
             None => (
                 c.num_key_value_heads.unwrap_or(c.num_attention_heads),
                 head_dim,

@@ -10,8 +10,8 @@ use super::team::Team;
 thread_local! {
     /// Attention scores of the task this thread runs, reused across tasks.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// An f16 cache's blocks of the task's sequence widened to f32 for the generic kernels: K,
-    /// V, and the identity block table over them.
+    /// For the generic kernels over an f16 cache: the task's KV head's cells of its sequence's
+    /// blocks widened to f32 (K, V) and the identity block table over them.
     static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<u32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
@@ -55,7 +55,7 @@ impl KvCells {
         }
     }
 
-    /// Cells `range` as f32 into `out` (cleared first).
+    /// Cells `range` as f32, appended to `out`.
     fn widen_into(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
         match self {
             KvCells::F32(c) => out.extend_from_slice(&c[range]),
@@ -90,10 +90,6 @@ impl CpuKvStore {
                 .map(|_| (KvCells::zeros(n, half), KvCells::zeros(n, half)))
                 .collect(),
         }
-    }
-
-    pub fn is_half(&self) -> bool {
-        matches!(self.layers.first(), Some((KvCells::F16(_), _)))
     }
 
     /// Writes position `pos`'s K row (`[kv_head][head_dim]`) and V row into their slots.
@@ -194,8 +190,9 @@ pub fn attention(
         let op = out_ptr;
         let (t, kvh) = (task / n_kv_heads, task % n_kv_heads);
         let s = &spans[owner[t]];
+        // Cells `$kc` / `$vc` with rows `$width` wide, this KV head's at `$offset`.
         macro_rules! job {
-            ($kc:expr, $vc:expr, $table:expr) => {
+            ($kc:expr, $vc:expr, $table:expr, $width:expr, $offset:expr) => {
                 Job {
                     q: &qkv.data[t * qkv.cols + kvh * group * head_dim
                         ..t * qkv.cols + (kvh + 1) * group * head_dim],
@@ -203,8 +200,8 @@ pub fn attention(
                     vc: $vc,
                     kv,
                     table: $table,
-                    kv_width,
-                    kv_offset: kvh * head_dim,
+                    kv_width: $width,
+                    kv_offset: $offset,
                     head_dim,
                     group,
                     n_ctx: s.start_pos + (t - s.first_token) + 1,
@@ -222,7 +219,7 @@ pub fn attention(
         };
         SCORES.with_borrow_mut(|scores| match (kcells, vcells) {
             (KvCells::F32(kc), KvCells::F32(vc)) => {
-                let j = job!(kc, vc, s.block_table);
+                let j = job!(kc, vc, s.block_table, kv_width, kvh * head_dim);
                 #[cfg(target_arch = "x86_64")]
                 if use_avx512 {
                     let cells = super::attention_x86::Cells::F32(kc, vc);
@@ -236,14 +233,15 @@ pub fn attention(
             (KvCells::F16(kc), KvCells::F16(vc)) => {
                 #[cfg(target_arch = "x86_64")]
                 if use_avx512 {
-                    let j = job!(&[], &[], s.block_table);
+                    let j = job!(&[], &[], s.block_table, kv_width, kvh * head_dim);
                     let cells = super::attention_x86::Cells::F16(kc, vc);
                     // SAFETY: this level implies AVX-512 F.
                     if unsafe { super::attention_x86::attend_hd64(&j, cells, scores, o) } {
                         return;
                     }
                 }
-                // The generic kernels read f32: widen this sequence's blocks.
+                // The generic kernels read f32: widen this KV head's part of the sequence's
+                // blocks into a store one head wide (K transposed per block as in the cache).
                 WIDE.with_borrow_mut(|(wk, wv, table)| {
                     let bs = kv.block_size;
                     let n_ctx = s.start_pos + (t - s.first_token) + 1;
@@ -251,13 +249,17 @@ pub fn attention(
                     wv.clear();
                     table.clear();
                     for (b, &phys) in s.block_table[..n_ctx.div_ceil(bs)].iter().enumerate() {
-                        let cells =
-                            phys as usize * bs * kv_width..(phys as usize + 1) * bs * kv_width;
-                        kcells.widen_into(cells.clone(), wk);
-                        vcells.widen_into(cells, wv);
+                        let block = phys as usize * bs * kv_width;
+                        let k0 = block + kvh * head_dim * bs;
+                        kcells.widen_into(k0..k0 + head_dim * bs, wk);
+                        for i in 0..bs {
+                            let v0 = block + i * kv_width + kvh * head_dim;
+                            vcells.widen_into(v0..v0 + head_dim, wv);
+                        }
                         table.push(b as u32);
                     }
-                    attend_any(&job!(wk, wv, table), use_avx2, use_avx512, scores, o);
+                    let j = job!(wk, wv, table, head_dim, 0);
+                    attend_any(&j, use_avx2, use_avx512, scores, o);
                 });
             }
             _ => unreachable!("K and V cells share one type"),

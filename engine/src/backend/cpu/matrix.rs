@@ -486,6 +486,30 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                         };
                         let mut g = g0;
                         while g < g1 {
+                            // `$kern` at this pass's token count, on weight groups `$w...`.
+                            macro_rules! at_take {
+                                ($kern:expr, $vals:ident, $($w:expr),+) => {
+                                    match take {
+                                        4 => {
+                                            $vals = ($kern.p4)(
+                                                $($w,)+
+                                                [hi(0), hi(1), hi(2), hi(3)],
+                                                [lo(0), lo(1), lo(2), lo(3)],
+                                            )
+                                        }
+                                        2 => $vals[..2].copy_from_slice(&($kern.p2)(
+                                            $($w,)+
+                                            [hi(0), hi(1)],
+                                            [lo(0), lo(1)],
+                                        )),
+                                        _ => $vals[..1].copy_from_slice(&($kern.p1)(
+                                            $($w,)+
+                                            [hi(0)],
+                                            [lo(0)],
+                                        )),
+                                    }
+                                };
+                            }
                             // Two groups per call where the kernel has a 512-bit form.
                             macro_rules! run {
                                 ($kern:expr, $b:expr) => {{
@@ -493,28 +517,7 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                                     match $kern.wide.filter(|_| g + 1 < g1) {
                                         Some(wide) => {
                                             let mut vals = [[0f32; 16]; 4];
-                                            match take {
-                                                4 => {
-                                                    vals = (wide.p4)(
-                                                        wg(g),
-                                                        wg(g + 1),
-                                                        [hi(0), hi(1), hi(2), hi(3)],
-                                                        [lo(0), lo(1), lo(2), lo(3)],
-                                                    )
-                                                }
-                                                2 => vals[..2].copy_from_slice(&(wide.p2)(
-                                                    wg(g),
-                                                    wg(g + 1),
-                                                    [hi(0), hi(1)],
-                                                    [lo(0), lo(1)],
-                                                )),
-                                                _ => vals[..1].copy_from_slice(&(wide.p1)(
-                                                    wg(g),
-                                                    wg(g + 1),
-                                                    [hi(0)],
-                                                    [lo(0)],
-                                                )),
-                                            }
+                                            at_take!(wide, vals, wg(g), wg(g + 1));
                                             for (i, o) in vals[..take].iter().enumerate() {
                                                 put(g, i, &o[..8]);
                                                 put(g + 1, i, &o[8..]);
@@ -523,25 +526,7 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                                         }
                                         None => {
                                             let mut vals = [[0f32; 8]; 4];
-                                            match take {
-                                                4 => {
-                                                    vals = ($kern.p4)(
-                                                        wg(g),
-                                                        [hi(0), hi(1), hi(2), hi(3)],
-                                                        [lo(0), lo(1), lo(2), lo(3)],
-                                                    )
-                                                }
-                                                2 => vals[..2].copy_from_slice(&($kern.p2)(
-                                                    wg(g),
-                                                    [hi(0), hi(1)],
-                                                    [lo(0), lo(1)],
-                                                )),
-                                                _ => vals[..1].copy_from_slice(&($kern.p1)(
-                                                    wg(g),
-                                                    [hi(0)],
-                                                    [lo(0)],
-                                                )),
-                                            }
+                                            at_take!($kern, vals, wg(g));
                                             for (i, o) in vals[..take].iter().enumerate() {
                                                 put(g, i, o);
                                             }

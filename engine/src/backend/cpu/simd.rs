@@ -742,6 +742,54 @@ mod tests {
         }
     }
 
+    /// `kern.wide` at 1, 2 and 4 activation rows, bit for bit against `kern`'s eight-row forms
+    /// on each of the two groups.
+    fn wide_equals_two_narrow<W>(
+        kern: &Rows8<W>,
+        a: &[W],
+        b: &[W],
+        h4: [&[BlockQ8Act]; 4],
+        l4: [&[BlockQ8Act]; 4],
+        what: &str,
+    ) {
+        let wide = kern.wide.as_ref().expect("a 512-bit form");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let check = |got: &[[f32; 16]], ga: &[[f32; 8]], gb: &[[f32; 8]], rows: &str| {
+            for t in 0..got.len() {
+                assert_eq!(
+                    bits(&got[t][..8]),
+                    bits(&ga[t]),
+                    "{what} wide {rows}, group 0"
+                );
+                assert_eq!(
+                    bits(&got[t][8..]),
+                    bits(&gb[t]),
+                    "{what} wide {rows}, group 1"
+                );
+            }
+        };
+        let (h1, l1) = ([h4[0]], [l4[0]]);
+        let (h2, l2) = ([h4[0], h4[1]], [l4[0], l4[1]]);
+        check(
+            &(wide.p1)(a, b, h1, l1),
+            &(kern.p1)(a, h1, l1),
+            &(kern.p1)(b, h1, l1),
+            "p1",
+        );
+        check(
+            &(wide.p2)(a, b, h2, l2),
+            &(kern.p2)(a, h2, l2),
+            &(kern.p2)(b, h2, l2),
+            "p2",
+        );
+        check(
+            &(wide.p4)(a, b, h4, l4),
+            &(kern.p4)(a, h4, l4),
+            &(kern.p4)(b, h4, l4),
+            "p4",
+        );
+    }
+
     #[test]
     fn eight_row_kernels_match_scalar_at_every_row_count() {
         let mut r = rng();
@@ -835,53 +883,12 @@ mod tests {
         let mut checked = 0;
         for level in SimdLevel::available() {
             let k = Kernels::for_level(level);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            if let Some(wide) = k.dot8_q4_1.wide {
-                let (got, a, b) = (
-                    (wide.p4)(&q4, &q4b, h4, l4),
-                    (k.dot8_q4_1.p4)(&q4, h4, l4),
-                    (k.dot8_q4_1.p4)(&q4b, h4, l4),
-                );
-                for t in 0..4 {
-                    assert_eq!(
-                        bits(&got[t][..8]),
-                        bits(&a[t]),
-                        "{level:?} q4_1 wide, group 0"
-                    );
-                    assert_eq!(
-                        bits(&got[t][8..]),
-                        bits(&b[t]),
-                        "{level:?} q4_1 wide, group 1"
-                    );
-                }
-                let got1 = (wide.p1)(&q4, &q4b, [h4[0]], [l4[0]]);
-                assert_eq!(bits(&got1[0][..8]), bits(&a[0]), "{level:?} q4_1 wide p1");
-                let got2 = (wide.p2)(&q4, &q4b, [h4[0], h4[1]], [l4[0], l4[1]]);
-                assert_eq!(bits(&got2[1][8..]), bits(&b[1]), "{level:?} q4_1 wide p2");
+            if k.dot8_q4_1.wide.is_some() {
+                wide_equals_two_narrow(&k.dot8_q4_1, &q4, &q4b, h4, l4, &format!("{level:?} q4_1"));
                 checked += 1;
             }
-            if let Some(wide) = k.dot8_q8.wide {
-                let (got, a, b) = (
-                    (wide.p4)(&q8, &q8b, h4, l4),
-                    (k.dot8_q8.p4)(&q8, h4, l4),
-                    (k.dot8_q8.p4)(&q8b, h4, l4),
-                );
-                for t in 0..4 {
-                    assert_eq!(
-                        bits(&got[t][..8]),
-                        bits(&a[t]),
-                        "{level:?} q8 wide, group 0"
-                    );
-                    assert_eq!(
-                        bits(&got[t][8..]),
-                        bits(&b[t]),
-                        "{level:?} q8 wide, group 1"
-                    );
-                }
-                let got1 = (wide.p1)(&q8, &q8b, [h4[0]], [l4[0]]);
-                assert_eq!(bits(&got1[0][8..]), bits(&b[0]), "{level:?} q8 wide p1");
-                let got2 = (wide.p2)(&q8, &q8b, [h4[0], h4[1]], [l4[0], l4[1]]);
-                assert_eq!(bits(&got2[1][..8]), bits(&a[1]), "{level:?} q8 wide p2");
+            if k.dot8_q8.wide.is_some() {
+                wide_equals_two_narrow(&k.dot8_q8, &q8, &q8b, h4, l4, &format!("{level:?} q8"));
             }
         }
         eprintln!("wide kernels checked at {checked} level(s)");
