@@ -3,6 +3,9 @@
 use std::path::PathBuf;
 
 use kiln::backend::cpu::simd::SimdLevel;
+use std::cell::RefCell;
+
+use kiln::doctor::allreduce::{self, AllReducePoint};
 use kiln::doctor::{self, DoctorOptions};
 use kiln::lock::{Lock, SystemProbe};
 
@@ -17,6 +20,23 @@ pub struct DoctorArgs {
     /// Print the checks as JSON.
     #[arg(long)]
     json: bool,
+    /// Skip the all-reduce sweep (it runs on machines with 2 or more GPUs and a CUDA build).
+    #[arg(long)]
+    no_allreduce: bool,
+}
+
+/// The all-reduce sweep over `ranks` GPUs: NCCL in a CUDA build; otherwise an error saying so.
+pub fn measure_allreduce(ranks: usize) -> Result<Vec<AllReducePoint>, String> {
+    #[cfg(feature = "cuda")]
+    {
+        kiln::backend::cuda::nccl_sweep(ranks, std::time::Duration::from_secs(120))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(format!(
+            "this build has no CUDA side, so it cannot drive NCCL over the {ranks} GPUs (build with --features cuda, or use the flake's packages.cuda)"
+        ))
+    }
 }
 
 /// The CPU kernels' SIMD level, as the fingerprint names it.
@@ -36,18 +56,30 @@ pub fn run(a: DoctorArgs) -> anyhow::Result<()> {
     };
     let probe = SystemProbe::new(std::env::vars().collect());
     let simd = simd_name();
+    // Kept to print the whole table after the checks (the check shows two sizes).
+    let measured = RefCell::new(Vec::new());
+    let sweeper = |n: usize| {
+        let points = measure_allreduce(n)?;
+        measured.replace(points.clone());
+        Ok(points)
+    };
     let checks = doctor::run(
         &probe,
         &DoctorOptions {
             lock: lock.as_ref(),
             simd: &simd,
             hash_models: !a.skip_model_hash,
+            allreduce: (!a.no_allreduce).then_some(&sweeper as &doctor::AllReduceSweeper),
         },
     );
     if a.json {
         println!("{}", serde_json::to_string_pretty(&checks)?);
     } else {
         print!("{}", doctor::render(&checks));
+        let points = measured.borrow();
+        if !points.is_empty() {
+            print!("\nall-reduce sweep\n{}", allreduce::render(&points));
+        }
     }
     let failed = checks
         .iter()

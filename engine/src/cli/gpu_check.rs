@@ -1,6 +1,6 @@
 //! `kiln gpu-check` (built with `--features cuda`): every CUDA kernel against its CPU reference on
-//! device 0, fresh random inputs each run; a table on stdout, JSON with `--json`, non-zero exit on
-//! any mismatch. `engine/benches/gpu-check.sh` runs it on a lent GPU machine.
+//! device 0, fresh random inputs each run, then the NCCL all-reduce sweep over every visible GPU;
+//! tables on stdout, JSON with `--json`, non-zero exit on any mismatch or a failed sweep. `engine/benches/gpu-check.sh` runs it on a lent GPU machine.
 
 use std::path::PathBuf;
 
@@ -39,12 +39,30 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             if r.pass { "pass" } else { "FAIL" }
         );
     }
+    // The NCCL all-reduce sweep over every visible GPU (one rank on a one-GPU machine: no bus
+    // traffic, but the same init, buffers and timing code `kiln doctor` runs on the 8-GPU box).
+    let gpus = kiln::backend::cuda::probe()
+        .map(|r| r.devices.len())
+        .unwrap_or(0);
+    let sweep = super::doctor::measure_allreduce(gpus);
+    match &sweep {
+        Ok(points) => print!(
+            "\nall-reduce sweep over {gpus} GPU(s)\n{}",
+            kiln::doctor::allreduce::render(points)
+        ),
+        Err(e) => println!("\nall-reduce sweep over {gpus} GPU(s) failed: {e}"),
+    }
     if let Some(p) = &a.json {
-        let body = serde_json::json!({ "seed": seed, "ops": results });
+        let sweep = match &sweep {
+            Ok(points) => serde_json::json!({ "gpus": gpus, "points": points }),
+            Err(e) => serde_json::json!({ "gpus": gpus, "error": e }),
+        };
+        let body = serde_json::json!({ "seed": seed, "ops": results, "allreduce": sweep });
         std::fs::write(p, serde_json::to_string_pretty(&body)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     let failed = results.iter().filter(|r| !r.pass).count();
     anyhow::ensure!(failed == 0, "{failed} of {} cases failed", results.len());
+    sweep.map_err(|e| anyhow::anyhow!("all-reduce sweep: {e}"))?;
     Ok(())
 }

@@ -470,6 +470,7 @@ fn locked(flags: ServeArgs, path: &Path) -> anyhow::Result<(ServeArgs, LockGuard
             lock: Some(&lock),
             simd: &super::doctor::simd_name(),
             hash_models: !flags.skip_model_hash,
+            allreduce: None,
         },
     );
     let policy = flags.drift_policy.unwrap_or(lock.lock.drift_policy);

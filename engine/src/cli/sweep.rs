@@ -159,8 +159,21 @@ pub fn run(a: SweepArgs) -> anyhow::Result<()> {
     }
     let rt = runtime()?;
     let env: std::collections::BTreeMap<String, String> = std::env::vars().collect();
-    let fingerprint =
+    let mut fingerprint =
         Fingerprint::collect(&SystemProbe::new(env.clone()), &super::doctor::simd_name());
+    if fingerprint.gpus.len() >= 2 {
+        // The lock keeps the interconnect's numbers so doctor can tell when they fall.
+        match super::doctor::measure_allreduce(fingerprint.gpus.len()) {
+            Ok(points) => {
+                eprint!(
+                    "all-reduce sweep\n{}",
+                    kiln::doctor::allreduce::render(&points)
+                );
+                fingerprint.allreduce = points;
+            }
+            Err(e) => eprintln!("kiln: no all-reduce sweep for the lock: {e}"),
+        }
+    }
     let mut done = Vec::new();
     for c in &configs {
         let port = free_port()?;

@@ -189,6 +189,11 @@ pub fn render(
         "sweep": lock.lock.sweep,
         "rationale": lock.lock.rationale,
         "fp": lock.fingerprint,
+        "allreduce": lock.fingerprint.allreduce.iter().map(|p| json!({
+            "size": crate::doctor::allreduce::size_label(p.bytes),
+            "latency": format!("{:.1}", p.latency_ns as f64 / 1e3),
+            "bus": format!("{:.2}", p.bus_mbps as f64 / 1e3),
+        })).collect::<Vec<_>>(),
         "settings": settings,
         "expanded": expanded_command(lock),
         "instance": instance,
@@ -221,5 +226,26 @@ mod tests {
         assert_eq!(super::utc_date(0), "1970-01-01T00:00:00Z");
         assert_eq!(super::utc_date(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(super::utc_date(1_796_309_035), "2026-12-03T14:43:55Z");
+    }
+
+    #[test]
+    fn the_locked_interconnect_is_in_the_document() {
+        use crate::doctor::allreduce::{AllReducePoint, SWEEP_BYTES};
+        let fake_hash = |_: &std::path::Path| Ok(("ab".repeat(32), 1234));
+        let mut lock = crate::lock::sweep::tests::sample_sweep()
+            .lock("spec", None, "sweep.json", fake_hash)
+            .expect("lock");
+        let without = super::render(&lock, "kiln.lock", "kiln", &[]).expect("render");
+        assert!(!without.contains("all-reduce"), "no GPUs, no sweep section");
+        lock.fingerprint.allreduce = SWEEP_BYTES
+            .iter()
+            .map(|&b| AllReducePoint::measured(b, std::time::Duration::from_millis(10), 8))
+            .collect();
+        let doc = super::render(&lock, "kiln.lock", "kiln", &[]).expect("render");
+        assert!(
+            doc.contains("| 64 MiB | 10000.0 us | 11.74 GB/s |"),
+            "{doc}"
+        );
+        assert!(doc.contains("| 4 KiB | 10000.0 us |"), "{doc}");
     }
 }

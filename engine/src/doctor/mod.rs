@@ -2,6 +2,8 @@
 //! given a lock — every way the machine has drifted from what was locked. `kiln serve --lock`
 //! runs the same checks at start.
 
+pub mod allreduce;
+
 use serde::{Deserialize, Serialize};
 
 use crate::lock::fingerprint::{self, Fingerprint, Probe};
@@ -53,7 +55,15 @@ pub struct DoctorOptions<'a> {
     pub simd: &'a str,
     /// Hash the locked model files (slow for very large models; size is always compared).
     pub hash_models: bool,
+    /// Measures the all-reduce sweep over the given number of GPUs (the CLI passes NCCL's; tests
+    /// a stand-in). None: not measured (`--no-allreduce`, and `kiln serve`'s boot check, which
+    /// should not spend seconds of NCCL traffic before every start).
+    pub allreduce: Option<&'a AllReduceSweeper<'a>>,
 }
+
+/// Runs an all-reduce sweep over `n` GPUs.
+pub type AllReduceSweeper<'a> =
+    dyn Fn(usize) -> Result<Vec<allreduce::AllReducePoint>, String> + 'a;
 
 /// Every check, in a fixed order. Exit status: non-zero when any is `Fail`.
 pub fn run(probe: &dyn Probe, opts: &DoctorOptions) -> Vec<Check> {
@@ -66,6 +76,7 @@ pub fn run(probe: &dyn Probe, opts: &DoctorOptions) -> Vec<Check> {
     out.push(memlock(&now));
     out.push(simd(&now));
     out.push(p2p(probe, &now));
+    out.push(allreduce_check(&now, opts));
     out.extend(nccl_env(probe, opts.lock));
     if let Some(lock) = opts.lock {
         out.extend(models(lock, opts.hash_models));
@@ -290,6 +301,37 @@ fn p2p(probe: &dyn Probe, now: &Fingerprint) -> Check {
     }
 }
 
+/// Measures the interconnect with the sweeper and compares it with the lock's sweep.
+fn allreduce_check(now: &Fingerprint, opts: &DoctorOptions) -> Check {
+    let n = now.gpus.len();
+    if n < 2 {
+        return check("allreduce", Status::Skip, "fewer than 2 GPUs", None);
+    }
+    let Some(sweep) = opts.allreduce else {
+        return check("allreduce", Status::Skip, "not measured", None);
+    };
+    let locked = opts
+        .lock
+        .map(|l| l.fingerprint.allreduce.as_slice())
+        .unwrap_or_default();
+    match sweep(n) {
+        Ok(points) => allreduce::compare(&points, locked),
+        Err(e) => check(
+            "allreduce",
+            // A lock that depends on collectives cannot serve without them.
+            if locked.is_empty() {
+                Status::Warn
+            } else {
+                Status::Fail
+            },
+            format!("the all-reduce sweep over {n} GPUs failed: {e}"),
+            Some(
+                "run with NCCL_DEBUG=INFO to see which transport or rank fails; `kiln doctor` without a lock reports the rest",
+            ),
+        ),
+    }
+}
+
 fn nccl_env(probe: &dyn Probe, lock: Option<&Lock>) -> Vec<Check> {
     let env = probe.env();
     let current: Vec<(&String, &String)> =
@@ -462,12 +504,54 @@ mod tests {
                 lock: None,
                 simd: "avx2",
                 hash_models: false,
+                allreduce: None,
             },
         );
         assert!(!failed(&c), "{}", render(&c));
         let s = statuses(&c);
         assert!(s.contains(&("devices".into(), Status::Skip)));
         assert!(s.contains(&("memlock".into(), Status::Pass)));
+    }
+
+    #[test]
+    fn the_allreduce_sweep_runs_on_two_or_more_gpus_only() {
+        let p = gpu_box();
+        let asked = std::cell::Cell::new(0);
+        let good = |n: usize| {
+            asked.set(n);
+            Ok(allreduce::SWEEP_BYTES
+                .iter()
+                .map(|&b| {
+                    allreduce::AllReducePoint::measured(b, std::time::Duration::from_micros(30), n)
+                })
+                .collect())
+        };
+        let run_with = |p: &FakeProbe, sweeper: Option<&AllReduceSweeper>| {
+            run(
+                p,
+                &DoctorOptions {
+                    lock: None,
+                    simd: "avx512vnni",
+                    hash_models: false,
+                    allreduce: sweeper,
+                },
+            )
+            .into_iter()
+            .find(|c| c.name == "allreduce")
+            .expect("an allreduce check")
+        };
+        let c = run_with(&p, Some(&good));
+        assert_eq!(c.status, Status::Pass, "{}", c.detail);
+        assert_eq!(asked.get(), 2, "one rank per GPU of the box");
+        assert!(c.detail.contains("64 MiB"), "{}", c.detail);
+        let broken = |_: usize| Err("ncclCommInitRank: unhandled system error".to_string());
+        let c = run_with(&p, Some(&broken));
+        assert_eq!(c.status, Status::Warn);
+        assert!(c.detail.contains("unhandled system error"), "{}", c.detail);
+        assert_eq!(run_with(&p, None).status, Status::Skip);
+        asked.set(0);
+        let c = run_with(&FakeProbe::default(), Some(&good));
+        assert_eq!((c.status, asked.get()), (Status::Skip, 0));
     }
 
     #[test]
@@ -483,6 +567,7 @@ mod tests {
                 lock: None,
                 simd: "avx512vnni",
                 hash_models: false,
+                allreduce: None,
             },
         );
         let s = statuses(&c);
@@ -503,6 +588,7 @@ mod tests {
                 lock: None,
                 simd: "avx512vnni",
                 hash_models: false,
+                allreduce: None,
             },
         );
         let s = statuses(&c);

@@ -70,6 +70,10 @@ pub struct Fingerprint {
     pub nccl: String,
     /// Soft RLIMIT_MEMLOCK: `unlimited` or bytes.
     pub memlock: String,
+    /// The all-reduce sweep over every GPU when the lock was made (2 or more GPUs and a CUDA
+    /// build). Measured, so never compared exactly: doctor's `allreduce` check allows noise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allreduce: Vec<crate::doctor::allreduce::AllReducePoint>,
 }
 
 /// The fields of a fingerprint, in a fixed order, as (name, value) text.
@@ -198,6 +202,7 @@ impl Fingerprint {
             cuda,
             nccl: nccl_version(probe),
             memlock: memlock(probe),
+            allreduce: Vec::new(),
         }
     }
 }

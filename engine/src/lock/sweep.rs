@@ -185,7 +185,7 @@ fn derived_rationale(sweep: &Sweep, pick: &super::SweepConfig) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::bench::LevelResult;
 
@@ -247,9 +247,20 @@ mod tests {
     fn lock_round_trips_and_keeps_its_evidence() {
         let sweep = sample_sweep();
         let fake_hash = |_: &Path| Ok(("ab".repeat(32), 1234));
-        let lock = sweep
+        let mut lock = sweep
             .lock("spec", None, "sweep.json", fake_hash)
             .expect("lock");
+        // A GPU box's lock also carries its all-reduce sweep (an array of tables at the end).
+        lock.fingerprint.allreduce = crate::doctor::allreduce::SWEEP_BYTES
+            .iter()
+            .map(|&b| {
+                crate::doctor::allreduce::AllReducePoint::measured(
+                    b,
+                    std::time::Duration::from_micros(20 + (b >> 14)),
+                    8,
+                )
+            })
+            .collect();
         assert_eq!(lock.model.sha256, "ab".repeat(32));
         assert_eq!(lock.rejected.len(), 1);
         assert!(

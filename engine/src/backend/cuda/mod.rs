@@ -3,7 +3,9 @@
 //! `--features cuda` binary starts, and says what is missing, on a machine without a GPU.
 
 pub mod kernels;
+mod nccl_sweep;
 pub mod parity;
 mod probe;
 
+pub use nccl_sweep::nccl_sweep;
 pub use probe::{CudaReport, probe};
