@@ -552,58 +552,90 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                     let op = out_ptr;
                     let r0 = c * chunk;
                     let r1 = (r0 + chunk).min(p.rows);
-                    for (t, l) in (0..n).flat_map(|t| (0..levels).map(move |l| (t, l))) {
-                        let at = if acts.is_empty() {
-                            &acts[..]
-                        } else {
-                            &acts[(t * levels + l) * nb..(t * levels + l + 1) * nb]
-                        };
-                        let xt = &x.data[t * w.cols..(t + 1) * w.cols];
-                        // SAFETY: (t, col0 + r) is inside out (n x out_stride); chunks own disjoint r.
-                        // The second level adds to the first.
-                        let put = |r: usize, v: f32| unsafe {
-                            let o = op.0.add(t * out_stride + col0 + r);
-                            *o = if l == 0 { v } else { *o + v };
-                        };
-                        let mut r = r0;
-                        while r + 4 <= r1 {
-                            let vals = match data {
-                                Rows::F32(d) => [0, 1, 2, 3].map(|i| {
-                                    (k.dot_f32)(&d[(r + i) * w.cols..(r + i + 1) * w.cols], xt)
-                                }),
-                                Rows::Q4_1(b) => (k.dot4_q4_1)(
-                                    [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
-                                    at,
-                                ),
-                                Rows::Q8_0(b) => (k.dot4_q8_0)(
-                                    [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
-                                    at,
-                                ),
-                                Rows::Q8x16(b) => (k.dot4_q8x16)(
-                                    [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
-                                    at,
-                                ),
-                                Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
-                                    unreachable!("handled as groups")
-                                }
+                    // Rows outer, tokens inner: a block of four weight rows stays in L1 while every
+                    // token (and activation level) passes over it, so a multi-token step (a
+                    // speculative verification, a small batch) streams the weights once instead of
+                    // once per token. Each (row, token) value is the same dot product as before.
+                    let mut r = r0;
+                    while r < r1 {
+                        let block = (r1 - r).min(4);
+                        if let (Rows::F32(d), 4) = (data, block) {
+                            let rows =
+                                [0, 1, 2, 3].map(|i| &d[(r + i) * w.cols..(r + i + 1) * w.cols]);
+                            let xt = |t: usize| &x.data[t * w.cols..(t + 1) * w.cols];
+                            // SAFETY: (t, col0 + r + i) is inside out; chunks own disjoint r.
+                            let put = |t: usize, vals: [f32; 4]| unsafe {
+                                let o = op.0.add(t * out_stride + col0 + r);
+                                std::ptr::copy_nonoverlapping(vals.as_ptr(), o, 4);
                             };
-                            for (i, v) in vals.into_iter().enumerate() {
-                                put(r + i, v);
+                            let mut t = 0;
+                            while t + 2 <= n {
+                                let [a, b] = (k.dot4x2_f32)(rows, [xt(t), xt(t + 1)]);
+                                put(t, a);
+                                put(t + 1, b);
+                                t += 2;
+                            }
+                            if t < n {
+                                put(t, rows.map(|row| (k.dot_f32)(row, xt(t))));
                             }
                             r += 4;
+                            continue;
                         }
-                        for r in r..r1 {
-                            let v = match data {
-                                Rows::F32(d) => (k.dot_f32)(&d[r * w.cols..(r + 1) * w.cols], xt),
-                                Rows::Q4_1(b) => (k.dot_q4_1)(&b[r * nb..(r + 1) * nb], at),
-                                Rows::Q8_0(b) => (k.dot_q8_0)(&b[r * nb..(r + 1) * nb], at),
-                                Rows::Q8x16(b) => (k.dot_q8x16)(&b[r * nb..(r + 1) * nb], at),
-                                Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
-                                    unreachable!("handled as groups")
-                                }
+                        for (t, l) in (0..n).flat_map(|t| (0..levels).map(move |l| (t, l))) {
+                            let at = if acts.is_empty() {
+                                &acts[..]
+                            } else {
+                                &acts[(t * levels + l) * nb..(t * levels + l + 1) * nb]
                             };
-                            put(r, v);
+                            let xt = &x.data[t * w.cols..(t + 1) * w.cols];
+                            // SAFETY: (t, col0 + r) is inside out (n x out_stride); chunks own
+                            // disjoint r. The second level adds to the first.
+                            let put = |r: usize, v: f32| unsafe {
+                                let o = op.0.add(t * out_stride + col0 + r);
+                                *o = if l == 0 { v } else { *o + v };
+                            };
+                            if block == 4 {
+                                let vals = match data {
+                                    Rows::F32(d) => [0, 1, 2, 3].map(|i| {
+                                        (k.dot_f32)(&d[(r + i) * w.cols..(r + i + 1) * w.cols], xt)
+                                    }),
+                                    Rows::Q4_1(b) => (k.dot4_q4_1)(
+                                        [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
+                                        at,
+                                    ),
+                                    Rows::Q8_0(b) => (k.dot4_q8_0)(
+                                        [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
+                                        at,
+                                    ),
+                                    Rows::Q8x16(b) => (k.dot4_q8x16)(
+                                        [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
+                                        at,
+                                    ),
+                                    Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
+                                        unreachable!("handled as groups")
+                                    }
+                                };
+                                for (i, v) in vals.into_iter().enumerate() {
+                                    put(r + i, v);
+                                }
+                                continue;
+                            }
+                            for r in r..r + block {
+                                let v = match data {
+                                    Rows::F32(d) => {
+                                        (k.dot_f32)(&d[r * w.cols..(r + 1) * w.cols], xt)
+                                    }
+                                    Rows::Q4_1(b) => (k.dot_q4_1)(&b[r * nb..(r + 1) * nb], at),
+                                    Rows::Q8_0(b) => (k.dot_q8_0)(&b[r * nb..(r + 1) * nb], at),
+                                    Rows::Q8x16(b) => (k.dot_q8x16)(&b[r * nb..(r + 1) * nb], at),
+                                    Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
+                                        unreachable!("handled as groups")
+                                    }
+                                };
+                                put(r, v);
+                            }
                         }
+                        r += block;
                     }
                 });
             }

@@ -99,11 +99,18 @@ fn scalar_pairs_q8<const T: usize>(
     })
 }
 
+pub type Dot4x2F32 = fn([&[f32]; 4], [&[f32]; 2]) -> [[f32; 4]; 2];
+
 /// The kernel set of one SIMD level.
 #[derive(Clone, Copy)]
 pub struct Kernels {
     pub level: SimdLevel,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    /// Four f32 weight rows against two input rows: each weight and input vector is loaded once
+    /// for eight products (`dot_f32` per pair is bound by its two loads per multiply). Every value
+    /// is bit-identical to `dot_f32` on that pair, so a token's result does not depend on how many
+    /// tokens share the step (speculative verification must reproduce plain decoding exactly).
+    pub dot4x2_f32: Dot4x2F32,
     pub dot_q4_1: fn(&[BlockQ4_1], &[BlockQ8Act]) -> f32,
     pub dot_q8_0: fn(&[BlockQ8_0], &[BlockQ8Act]) -> f32,
     pub dot_q8x16: fn(&[BlockQ8x16], &[BlockQ8Act]) -> f32,
@@ -126,6 +133,7 @@ impl Kernels {
             SimdLevel::Avx512Vnni => Kernels {
                 level,
                 dot_f32: x86::dot_f32_avx512_safe,
+                dot4x2_f32: x86::dot4x2_f32_avx512_safe,
                 dot_q4_1: x86::dot_q4_1_vnni_safe,
                 dot_q8_0: x86::dot_q8_0_vnni_safe,
                 dot_q8x16: x86::dot_q8x16_vnni_safe,
@@ -157,6 +165,9 @@ impl Kernels {
             SimdLevel::Avx2 => Kernels {
                 level,
                 dot_f32: x86::dot_f32_avx2_safe,
+                // Four accumulators per pair (bit-identity with `dot_f32_avx2`) times eight pairs
+                // would not fit in AVX2's sixteen registers: pair by pair, from L1.
+                dot4x2_f32: |w, x| x.map(|xt| w.map(|r| x86::dot_f32_avx2_safe(r, xt))),
                 dot_q4_1: x86::dot_q4_1_avx2_safe,
                 dot_q8_0: x86::dot_q8_0_avx2_safe,
                 dot_q8x16: x86::dot_q8x16_avx2_safe,
@@ -187,6 +198,7 @@ impl Kernels {
             _ => Kernels {
                 level: SimdLevel::Scalar,
                 dot_f32: scalar::dot_f32,
+                dot4x2_f32: |w, x| x.map(|xt| w.map(|r| scalar::dot_f32(r, xt))),
                 dot_q4_1: scalar::dot_q4_1,
                 dot_q8_0: scalar::dot_q8_0,
                 dot_q8x16: scalar::dot_q8x16,
@@ -414,6 +426,57 @@ mod x86 {
             }
             s
         }
+    }
+
+    /// `dot_f32_avx512` for the eight (row, input) pairs of four rows and two inputs at once: the
+    /// same two accumulators per pair, the same tail and reduction, so each value is bit-identical
+    /// to it. 16 accumulators + 12 loaded vectors fit in the 32 registers.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn dot4x2_f32_avx512(w: [&[f32]; 4], x: [&[f32]; 2]) -> [[f32; 4]; 2] {
+        let n = w[0].len();
+        if w.iter().chain(x.iter()).any(|s| s.len() != n) {
+            // `dot_f32` takes the shorter length per pair; only equal lengths share one loop.
+            return x.map(|xt| w.map(|r| unsafe { dot_f32_avx512(r, xt) }));
+        }
+        let (pw, px) = (w.map(|r| r.as_ptr()), x.map(|r| r.as_ptr()));
+        let mut acc0 = [[_mm512_setzero_ps(); 4]; 2];
+        let mut acc1 = [[_mm512_setzero_ps(); 4]; 2];
+        let mut i = 0;
+        // SAFETY: every load reads 16 floats at i or i + 16 < n of a slice of length n.
+        unsafe {
+            while i + 32 <= n {
+                let wa = pw.map(|p| _mm512_loadu_ps(p.add(i)));
+                let xa = px.map(|p| _mm512_loadu_ps(p.add(i)));
+                let wb = pw.map(|p| _mm512_loadu_ps(p.add(i + 16)));
+                let xb = px.map(|p| _mm512_loadu_ps(p.add(i + 16)));
+                for t in 0..2 {
+                    for r in 0..4 {
+                        acc0[t][r] = _mm512_fmadd_ps(wa[r], xa[t], acc0[t][r]);
+                        acc1[t][r] = _mm512_fmadd_ps(wb[r], xb[t], acc1[t][r]);
+                    }
+                }
+                i += 32;
+            }
+            while i + 16 <= n {
+                let wa = pw.map(|p| _mm512_loadu_ps(p.add(i)));
+                let xa = px.map(|p| _mm512_loadu_ps(p.add(i)));
+                for t in 0..2 {
+                    for r in 0..4 {
+                        acc0[t][r] = _mm512_fmadd_ps(wa[r], xa[t], acc0[t][r]);
+                    }
+                }
+                i += 16;
+            }
+        }
+        std::array::from_fn(|t| {
+            std::array::from_fn(|r| {
+                let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t][r], acc1[t][r]));
+                for j in i..n {
+                    s += w[r][j] * x[t][j];
+                }
+                s
+            })
+        })
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -647,6 +710,9 @@ mod x86 {
     pub fn dot_f32_avx512_safe(a: &[f32], b: &[f32]) -> f32 {
         unsafe { dot_f32_avx512(a, b) }
     }
+    pub fn dot4x2_f32_avx512_safe(w: [&[f32]; 4], x: [&[f32]; 2]) -> [[f32; 4]; 2] {
+        unsafe { dot4x2_f32_avx512(w, x) }
+    }
     pub fn dot_q4_1_avx2_safe(w: &[BlockQ4_1], a: &[BlockQ8Act]) -> f32 {
         unsafe { dot_q4_1_avx2(w, a) }
     }
@@ -739,6 +805,34 @@ mod tests {
                 close((k.dot_f32)(&fa, &fb), (s.dot_f32)(&fa, &fb)),
                 "{level:?} f32"
             );
+        }
+    }
+
+    /// Four rows against two inputs, bit for bit against `dot_f32` per pair, at lengths with
+    /// and without each tail (the 16-float step, the scalar remainder).
+    #[test]
+    fn four_rows_by_two_inputs_equal_single_dots() {
+        let mut r = rng();
+        for len in [576, 583, 16, 7, 48] {
+            let mut vec =
+                |n: usize| -> Vec<f32> { (0..n).map(|_| r.random_range(-1.0..1.0)).collect() };
+            let w: Vec<Vec<f32>> = (0..4).map(|_| vec(len)).collect();
+            let x: Vec<Vec<f32>> = (0..2).map(|_| vec(len)).collect();
+            let wr = [0, 1, 2, 3].map(|i| &w[i][..]);
+            let xr = [0, 1].map(|i| &x[i][..]);
+            for level in SimdLevel::available() {
+                let k = Kernels::for_level(level);
+                let got = (k.dot4x2_f32)(wr, xr);
+                for t in 0..2 {
+                    for i in 0..4 {
+                        assert_eq!(
+                            got[t][i].to_bits(),
+                            (k.dot_f32)(wr[i], xr[t]).to_bits(),
+                            "{level:?} len {len} input {t} row {i}"
+                        );
+                    }
+                }
+            }
         }
     }
 
