@@ -124,8 +124,9 @@ struct Parking {
 
 pub struct Policy {
     pub cfg: SpecConfig,
-    /// Moving-average seconds per step for each bucket; `None` until measured.
-    cost: [Option<f64>; BUCKETS.len()],
+    /// Per bucket, the moving averages of a step's tokens and seconds: a measured point on the
+    /// cost curve; `None` until measured.
+    cost: [Option<(f64, f64)>; BUCKETS.len()],
     /// Per draft position: (accepted, tried), decayed.
     accept: Vec<(f64, f64)>,
     /// EAGLE-3: moving-average seconds of one chained draft step, by sequences in the batch.
@@ -207,13 +208,16 @@ impl Policy {
         if tokens == 0 || !secs.is_finite() {
             return;
         }
-        // Normalise to the bucket's size so nearby step sizes share one entry.
-        let b = Self::bucket(tokens);
-        let scaled = secs * BUCKETS[b] as f64 / tokens.max(1) as f64;
-        let slot = &mut self.cost[b];
+        // Nearby step sizes share a bucket, which keeps the point they average to, tokens and
+        // seconds together: scaling each step to the bucket's size instead assumed cost
+        // proportional to tokens, and a fixed per-step cost (the weights streamed once) then
+        // inflated the bucket by partly-filled steps (13 tokens counted as 16), which made long
+        // drafts at C = 4 look dearer than they were.
+        let slot = &mut self.cost[Self::bucket(tokens)];
+        let t = tokens as f64;
         *slot = Some(match *slot {
-            Some(c) => c + COST_EWMA * (scaled - c),
-            None => scaled,
+            Some((ct, cs)) => (ct + COST_EWMA * (t - ct), cs + COST_EWMA * (secs - cs)),
+            None => (t, secs),
         });
     }
 
@@ -251,16 +255,14 @@ impl Policy {
             .unwrap_or(0.0)
     }
 
-    /// Estimated seconds of a step of `tokens` tokens: linear between measured buckets,
-    /// proportional beyond the outermost ones. `None` before any measurement.
+    /// Estimated seconds of a step of `tokens` tokens: linear between the measured points,
+    /// the first point's cost below it, proportional beyond the last (the conservative guess where
+    /// steps may turn compute-bound). `None` before any measurement.
     pub fn cost(&self, tokens: usize) -> Option<f64> {
         // A step never gets cheaper by adding tokens: a running maximum irons out noise that would
-        // make, say, 4 tokens look dearer than 6.
-        let mut known: Vec<(f64, f64)> = BUCKETS
-            .iter()
-            .zip(&self.cost)
-            .filter_map(|(&b, c)| c.map(|c| (b as f64, c)))
-            .collect();
+        // make, say, 4 tokens look dearer than 6. Buckets cover disjoint, rising token ranges, so
+        // their points come in rising token order.
+        let mut known: Vec<(f64, f64)> = self.cost.iter().flatten().copied().collect();
         for i in 1..known.len() {
             known[i].1 = known[i].1.max(known[i - 1].1);
         }
@@ -390,6 +392,35 @@ mod tests {
         p.record_step(4, 0.030);
         p.record_step(6, 0.020);
         assert!(p.cost(6) >= p.cost(4));
+    }
+
+    /// Steps of 13 and 16 tokens share a bucket. With a fixed per-step cost (weights streamed
+    /// once), scaling each step to 16 tokens over-estimated the bucket (13 tokens at 0.0139 s
+    /// counted as 0.0171 s); the bucket's point stays on the cost line.
+    #[test]
+    fn partly_filled_steps_do_not_inflate_their_bucket() {
+        let mut p = policy();
+        let affine = |t: usize| 0.010 + 0.0003 * t as f64;
+        for _ in 0..200 {
+            for t in [1, 12, 13, 16, 16] {
+                p.record_step(t, affine(t));
+            }
+        }
+        for t in [1, 4, 12, 14, 15] {
+            let got = p.cost(t).expect("measured");
+            assert!(
+                (got - affine(t)).abs() < 1e-6,
+                "{t} tokens: {got} vs {}",
+                affine(t)
+            );
+        }
+        // Just past the last point (15 tokens on average): proportional, a little over the line.
+        let over = p.cost(16).expect("measured") / affine(16) - 1.0;
+        assert!((0.0..0.05).contains(&over), "{over}");
+        for _ in 0..50 {
+            p.record_verify(3, 3);
+        }
+        assert_eq!(p.choose_k(0, &[3; 4]), 3);
     }
 
     #[test]
