@@ -132,6 +132,36 @@ fn ngram_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     assert_eq!(got[..], want[..4], "adaptive policy at C=1");
 }
 
+/// Exact mode (f32 weights) alone: verifying 2-5 tokens runs the four-rows-by-two-tokens f32
+/// kernel, whose every value must equal the one-token decode's bit for bit. (Batches of six or
+/// more tokens go through the blocked GEMM, whose summation order differs, so exact mode is not
+/// batch-invariant across sequences; one sequence with S = 4 stays on the exact-equal path.)
+#[test]
+fn ngram_speculation_keeps_exact_mode_greedy_output_exact_alone() {
+    let p = prompts();
+    let base = Server::start(&["--mode", "exact"]);
+    let want: Vec<(String, u64)> = p[..6].iter().map(|(t, e)| greedy(&base, t, *e)).collect();
+    drop(base);
+    let spec = Server::start(&[
+        "--mode",
+        "exact",
+        "--speculative-algorithm",
+        "ngram",
+        "--speculative-policy",
+        "fixed",
+        "--speculative-num-steps",
+        "4",
+    ]);
+    let got = concurrently(&spec, &p[..6], 1);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "exact mode, prompt {i} ({:?})", p[i].0);
+    }
+    assert!(
+        spec.metric("kiln_spec_accepted_tokens_total") > 0.0,
+        "nothing accepted"
+    );
+}
+
 #[test]
 fn bad_speculation_flags_are_refused_with_the_flag_named() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
