@@ -8,12 +8,14 @@
 # With LLAMA_SERVER set, llama.cpp's llama-server runs too, plain and with its n-gram speculation
 # (`--spec-type ngram-simple`), for the peer comparison (built outside this repository).
 #   [EAGLE3_DRAFT=DIR] [LLAMA_SERVER=...] bash engine/benches/speculation.sh [MODEL]        (LEVELS=1,4,16 by default)
+# MODE=exact runs kiln's rows in exact mode (f32 weights and arithmetic) instead of fast.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 LOADGEN=${LOADGEN:-../shared/tools/loadgen.py}
 LEVELS=${LEVELS:-1,4,16}
 TOKENS=${TOKENS:-200}
+MODE=${MODE:-fast}
 ENDPOINT=${ENDPOINT:-completions}   # or chat (the chat template, as the EAGLE-3 head was trained)
 # EOS=stop ends each completion at the model's end of turn (what users see); the default runs all
 # TOKENS past it, where a small model loops (prompt lookup's best case, a trained draft's worst).
@@ -27,7 +29,7 @@ port=18290
 bench() { # label, then kiln serve flags
   local label=$1; shift; port=$((port + 1))
   [[ -n "${ROWS:-}" && ! "$label" =~ ^($ROWS) ]] && return 0   # ROWS='baseline|eagle3': a subset
-  ./target/release/kiln serve --model "$MODEL" --port $port --served-model-name m "$@" >/dev/null 2>&1 &
+  ./target/release/kiln serve --model "$MODEL" --port $port --served-model-name m --mode "$MODE" "$@" >/dev/null 2>&1 &
   local pid=$!
   wait_ready http://127.0.0.1:$port/ready
   python3 "$LOADGEN" --url http://127.0.0.1:$port --model m --concurrency "$LEVELS" \

