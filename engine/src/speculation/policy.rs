@@ -18,9 +18,10 @@
 //! model). When drafting has not paid for `PARK_AFTER` straight steps — the best K's rate, extend
 //! included, below plain decoding's without it — the draft is *parked*: no extend, no drafts, the
 //! engine runs exactly the baseline. After a park of `PARK_MIN` steps (doubling after each probe
-//! that fails, up to `PARK_MAX`), or as soon as the batch halves, the acceptance estimate goes
-//! back to its prior and the draft probes again on the sequences admitted from then on (the
-//! others' draft KV has holes).
+//! that fails, up to `PARK_MAX`) the acceptance estimate goes back to its prior and the draft
+//! probes again on the sequences admitted from then on (the others' draft KV has holes). When the
+//! batch halves during a park, the park ends only if the model above, with the acceptance measured
+//! before the park, says drafting pays at the new size.
 
 /// Which drafter proposes tokens.
 #[derive(
@@ -158,19 +159,28 @@ impl Policy {
     }
 
     /// Once per engine step, with the sequences in it: whether the draft is parked this step.
-    /// Ends a park whose time is up or whose batch has halved (the costs it was judged on are gone).
+    /// Ends a park whose time is up (a probe from the prior acceptance), or whose batch has halved
+    /// to a size where the measured costs and the acceptance measured before the park say
+    /// drafting pays. Ending a park on every halving re-ran the 64 losing steps (extend and
+    /// rejected drafts) each time a closed-loop batch drained: at C=4, 5-7x the drafts.
     pub fn draft_parked(&mut self, batch: usize) -> bool {
         let Some((left, parked_batch)) = self.parking.park else {
             return false;
         };
-        if left <= 1 || (parked_batch >= 2 && 2 * batch <= parked_batch) {
+        let halved = parked_batch >= 2 && 2 * batch <= parked_batch;
+        let timed_out = left <= 1;
+        if timed_out || (halved && self.best_k(0, &vec![self.cfg.num_steps; batch]).1) {
             self.parking.park = None;
             self.parking.losing = 0;
-            // A fresh estimate, so the probe drafts if the prior says drafting could pay.
-            self.accept.iter_mut().for_each(|c| *c = (0.0, 0.0));
+            if timed_out {
+                // A fresh estimate, so the probe drafts if the prior says drafting could pay.
+                self.accept.iter_mut().for_each(|c| *c = (0.0, 0.0));
+            }
             return false;
         }
-        self.parking.park = Some((left - 1, parked_batch));
+        // After a halving that does not pay, the next halving is judged from this size.
+        let anchor = if halved { batch } else { parked_batch };
+        self.parking.park = Some((left - 1, anchor));
         true
     }
 
@@ -539,17 +549,36 @@ mod tests {
     }
 
     #[test]
-    fn a_park_ends_when_the_batch_halves() {
+    fn a_park_ends_when_the_batch_halves_to_a_size_where_drafting_pays() {
+        // Compute-bound at every size: halving the batch changes nothing, the park holds.
         let mut p = compute_bound_eagle();
         for _ in 0..PARK_AFTER {
             p.choose_k(0, &[3; 16]);
         }
         assert!(p.draft_parked(16));
-        assert!(p.draft_parked(10));
-        assert!(
-            !p.draft_parked(8),
-            "half the batch: costs changed, probe again"
-        );
+        assert!(p.draft_parked(8), "compute-bound at 8 sequences too");
+        assert!(p.draft_parked(1), "and at 1");
+        // Weight streaming up to a few sequences, compute-bound at 16, every draft accepted: parked
+        // at 16, not yet at 12 (not half), back as soon as a halving reaches a size that pays.
+        let mut p = eagle_with_costs(&[
+            (1, 0.010),
+            (2, 0.0102),
+            (4, 0.0105),
+            (8, 0.014),
+            (16, 0.024),
+            (64, 0.1),
+        ]);
+        p.record_extend(0.0008);
+        for _ in 0..50 {
+            p.record_verify(3, 3);
+        }
+        for _ in 0..PARK_AFTER {
+            assert_eq!(p.choose_k(0, &[3; 16]), 0);
+        }
+        assert!(p.draft_parked(16));
+        assert!(p.draft_parked(12));
+        assert!(!p.draft_parked(2), "two sequences: drafting pays again");
+        assert!(p.accept_prob(0) > 0.9, "the measured acceptance is kept");
     }
 
     #[test]
