@@ -436,15 +436,7 @@ mod tests {
     #[test]
     fn memory_bound_steps_speculate_and_compute_bound_steps_do_not() {
         let mut p = policy();
-        // A weight-streaming machine: 1..4 tokens cost about the same; big steps cost per token.
-        for (t, s) in [
-            (1, 0.010),
-            (2, 0.0102),
-            (4, 0.0105),
-            (8, 0.014),
-            (16, 0.024),
-            (64, 0.1),
-        ] {
+        for (t, s) in STREAMING_THEN_COMPUTE {
             p.record_step(t, s);
         }
         for _ in 0..50 {
@@ -503,6 +495,16 @@ mod tests {
         assert!((p.accept_prob(2) - 0.5).abs() < 1e-9);
     }
 
+    /// A weight-streaming machine: 1..4 tokens cost about the same; big steps cost per token.
+    const STREAMING_THEN_COMPUTE: [(usize, f64); 6] = [
+        (1, 0.010),
+        (2, 0.0102),
+        (4, 0.0105),
+        (8, 0.014),
+        (16, 0.024),
+        (64, 0.1),
+    ];
+
     /// Step costs of a weight-streaming machine: 1..8 tokens cost about the same.
     const WEIGHT_STREAMING: [(usize, f64); 4] = [(1, 0.010), (2, 0.0102), (4, 0.0105), (8, 0.014)];
 
@@ -560,14 +562,7 @@ mod tests {
         assert!(p.draft_parked(1), "and at 1");
         // Weight streaming up to a few sequences, compute-bound at 16, every draft accepted: parked
         // at 16, not yet at 12 (not half), back as soon as a halving reaches a size that pays.
-        let mut p = eagle_with_costs(&[
-            (1, 0.010),
-            (2, 0.0102),
-            (4, 0.0105),
-            (8, 0.014),
-            (16, 0.024),
-            (64, 0.1),
-        ]);
+        let mut p = eagle_with_costs(&STREAMING_THEN_COMPUTE);
         p.record_extend(0.0008);
         for _ in 0..50 {
             p.record_verify(3, 3);
