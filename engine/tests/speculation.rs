@@ -34,6 +34,16 @@ fn prompts() -> Vec<(String, bool)> {
     p
 }
 
+/// N-gram drafts of up to four tokens, verified at every step.
+const NGRAM_FIXED_S4: [&str; 6] = [
+    "--speculative-algorithm",
+    "ngram",
+    "--speculative-policy",
+    "fixed",
+    "--speculative-num-steps",
+    "4",
+];
+
 /// Greedy completion; `ignore_eos` for some prompts so both ends (length, EOS) are exercised.
 fn greedy(s: &Server, prompt: &str, ignore_eos: bool) -> (String, u64) {
     let (st, v) = s.post_json(
@@ -72,14 +82,7 @@ fn ngram_speculation_keeps_greedy_output_exact_at_every_batch_size() {
         let base = Server::start(&[]);
         p.iter().map(|(t, e)| greedy(&base, t, *e)).collect()
     };
-    let fixed = Server::start(&[
-        "--speculative-algorithm",
-        "ngram",
-        "--speculative-policy",
-        "fixed",
-        "--speculative-num-steps",
-        "4",
-    ]);
+    let fixed = Server::start(&NGRAM_FIXED_S4);
     for c in [1, 4, 16] {
         let n = if c == 1 { 6 } else { p.len() };
         let got = concurrently(&fixed, &p[..n], c);
@@ -142,16 +145,7 @@ fn ngram_speculation_keeps_exact_mode_greedy_output_exact_alone() {
     let base = Server::start(&["--mode", "exact"]);
     let want: Vec<(String, u64)> = p[..6].iter().map(|(t, e)| greedy(&base, t, *e)).collect();
     drop(base);
-    let spec = Server::start(&[
-        "--mode",
-        "exact",
-        "--speculative-algorithm",
-        "ngram",
-        "--speculative-policy",
-        "fixed",
-        "--speculative-num-steps",
-        "4",
-    ]);
+    let spec = Server::start(&[&["--mode", "exact"][..], &NGRAM_FIXED_S4].concat());
     let got = concurrently(&spec, &p[..6], 1);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "exact mode, prompt {i} ({:?})", p[i].0);

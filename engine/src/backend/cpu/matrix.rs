@@ -596,9 +596,7 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                             };
                             if block == 4 {
                                 let vals = match data {
-                                    Rows::F32(d) => [0, 1, 2, 3].map(|i| {
-                                        (k.dot_f32)(&d[(r + i) * w.cols..(r + i + 1) * w.cols], xt)
-                                    }),
+                                    Rows::F32(_) => unreachable!("four f32 rows take dot4x2 above"),
                                     Rows::Q4_1(b) => (k.dot4_q4_1)(
                                         [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
                                         at,
