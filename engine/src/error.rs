@@ -36,6 +36,9 @@ pub enum Error {
     /// A tensor-parallel collective failed (a rank died or stalled): the group is down.
     #[error("tensor parallelism: {0}")]
     Parallel(#[from] crate::parallel::CommError),
+    /// The chosen device cannot run here (not built in, or its driver or libraries are missing).
+    #[error("{0}")]
+    Device(String),
     /// The paged KV cache has no free block left.
     #[error("KV cache is full: {needed} blocks needed, {free} free")]
     KvCacheFull { needed: usize, free: usize },
@@ -44,6 +47,11 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// The backend's state is gone (a tensor-parallel rank died): no later step can succeed, so
+    /// the process should exit for its service manager to restart it.
+    pub fn backend_lost(&self) -> bool {
+        matches!(self, Error::Parallel(_))
+    }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),

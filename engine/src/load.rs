@@ -1,6 +1,7 @@
 //! Opening a model from a path: a `.gguf` file or a Hugging Face directory, with its tokenizer.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::backend::{Backend, Precision};
 use crate::error::{Error, Result};
@@ -15,7 +16,8 @@ use crate::weights::hf::HfDir;
 pub struct LoadedModel<B: Backend> {
     pub backend: B,
     pub model: Llama<B>,
-    pub tokenizer: Tokenizer,
+    /// Shared with the layers above the runner (encoding, detokenizing, stop tokens).
+    pub tokenizer: Arc<Tokenizer>,
     /// A short name for APIs and logs (the file or directory name).
     pub name: String,
 }
@@ -54,10 +56,10 @@ pub fn load_model_shard<B: Backend>(
     // Weights first: a broken tensor is the more specific error than a tokenizer problem.
     let (store, config) = open_weights(path)?;
     let model = Llama::load_shard(&backend, config, &store, precision, shard, progress)?;
-    let tokenizer = match &store {
+    let tokenizer = Arc::new(match &store {
         WeightStore::Hf(_) => Tokenizer::from_hf_dir(path)?,
         WeightStore::Gguf(g) => Tokenizer::from_gguf(g)?,
-    };
+    });
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())

@@ -207,3 +207,21 @@ fn unsupported_tensor_type_names_the_tensor() {
     assert_clean_failure(ok, &stderr, &["token_embd.weight", "Q2_K"]);
     assert!(Path::new(env!("CARGO_BIN_EXE_kiln")).exists());
 }
+
+#[test]
+fn device_cuda_without_a_cuda_backend_fails_naming_it_and_never_falls_back_to_the_cpu() {
+    let model = common::smollm2();
+    let model = model.to_string_lossy();
+    for cmd in ["generate", "serve"] {
+        let mut args = vec![cmd, "--device", "cuda", "--model", &model];
+        if cmd == "generate" {
+            args.extend(["--prompt", "hi", "--max-tokens", "2"]);
+        } else {
+            args.extend(["--port", "0"]);
+        }
+        let (ok, stdout, stderr) = kiln(&args);
+        assert_clean_failure(ok, &stderr, &["--device cuda", "--device cpu"]);
+        // No token came out: nothing ran on the CPU instead.
+        assert!(stdout.trim().is_empty(), "{cmd}: {stdout}");
+    }
+}

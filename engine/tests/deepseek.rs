@@ -17,6 +17,7 @@ use kiln::load::{LoadedModel, load_model, open_weights};
 use kiln::model::mla::MlaForm;
 use kiln::model::moe::route;
 use kiln::parallel::tp::{GreedyRun, TpOptions, greedy};
+use kiln::runner::Device;
 
 fn fixture_dir(case: &serde_json::Value) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -150,6 +151,7 @@ fn tp_greedy(
     name: &str,
 ) -> GreedyRun {
     let opts = TpOptions {
+        device: Device::Cpu,
         world,
         precision: Precision::Exact,
         threads_per_rank: 1,

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use kiln::backend::Precision;
 use kiln::parallel::tp::{GreedyRun, TpOptions, greedy};
+use kiln::runner::Device;
 
 fn run(path: &Path, world: usize, prompt: &[u32], n: usize) -> GreedyRun {
     run_in(Precision::Exact, path, world, prompt, n)
@@ -18,6 +19,7 @@ fn run(path: &Path, world: usize, prompt: &[u32], n: usize) -> GreedyRun {
 
 fn run_in(precision: Precision, path: &Path, world: usize, prompt: &[u32], n: usize) -> GreedyRun {
     let opts = TpOptions {
+        device: Device::Cpu,
         world,
         precision,
         threads_per_rank: 1,
@@ -135,6 +137,7 @@ fn qwen_split_over_2_ranks_matches_the_whole_model() {
 #[test]
 fn a_split_that_does_not_fit_is_refused_by_name_and_nothing_hangs() {
     let opts = |world| TpOptions {
+        device: Device::Cpu,
         world,
         precision: Precision::Exact,
         threads_per_rank: 1,
@@ -227,6 +230,7 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
 
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3");
     let cfg = |model: PathBuf| PeerConfig {
+        device: Device::Cpu,
         model,
         precision: Precision::Exact,
         threads_per_rank: 1,

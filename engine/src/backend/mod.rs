@@ -86,6 +86,10 @@ pub trait Backend: Send + Sync {
     type KvStore: Send;
 
     fn name(&self) -> &'static str;
+    /// The backend and what it runs on, for logs and `kiln generate`'s summary line.
+    fn describe(&self) -> String {
+        self.name().to_string()
+    }
 
     /// Prepares one matrix from one or more stored tensors stacked by rows (e.g. Q, K and V projections
     /// fused into one matrix, so one matmul computes all three).

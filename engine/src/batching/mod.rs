@@ -5,5 +5,5 @@ pub mod engine;
 pub mod request;
 pub mod scheduler;
 
-pub use engine::{EngineConfig, EngineHandle, spawn, spawn_parallel};
+pub use engine::{EngineConfig, EngineHandle, spawn};
 pub use request::{EngineRequest, Event, RequestParams};

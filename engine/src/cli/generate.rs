@@ -3,11 +3,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use kiln::backend::Precision;
-use kiln::backend::cpu::CpuBackend;
+use kiln::backend::{Backend, Precision};
 use kiln::catalog::DEFAULT_MODEL;
 use kiln::generate::{GenerateOptions, SingleSequence};
 use kiln::load::load_model;
+use kiln::runner::{Device, WithBackend};
 use kiln::sampling::SamplingParams;
 use kiln::tokenizer::{ChatMessage, IncrementalDecoder};
 
@@ -45,6 +45,10 @@ pub struct GenerateArgs {
     ignore_eos: bool,
     #[arg(long, value_enum, default_value_t = Precision::Fast)]
     mode: Precision,
+    /// Where the model runs: cpu, or cuda (refused with the reason where this build or machine
+    /// cannot; never a silent CPU fallback).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
     /// Print one JSON object {"prompt_ids", "output_ids", "text"} and nothing else on stdout.
     #[arg(long)]
     json: bool,
@@ -77,11 +81,32 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default(),
     );
-    let backend = match a.threads {
-        Some(t) => CpuBackend::with_threads(t.max(1)),
-        None => CpuBackend::new(),
-    };
-    let m = load_model(backend, &path, a.mode, |done, total| {
+    let job = Generate { a: &a, path, bar };
+    a.device.with_backend(a.threads, job)?
+}
+
+/// The rest of `kiln generate`, over the backend `--device` chose.
+struct Generate<'a> {
+    a: &'a GenerateArgs,
+    path: PathBuf,
+    bar: ProgressBar,
+}
+
+impl WithBackend for Generate<'_> {
+    type Output = anyhow::Result<()>;
+
+    fn run<B: Backend + 'static>(self, backend: B) -> anyhow::Result<()> {
+        generate(self.a, &self.path, &self.bar, backend)
+    }
+}
+
+fn generate<B: Backend>(
+    a: &GenerateArgs,
+    path: &std::path::Path,
+    bar: &ProgressBar,
+    backend: B,
+) -> anyhow::Result<()> {
+    let m = load_model(backend, path, a.mode, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     })?;
@@ -159,7 +184,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         writeln!(stdout)?;
         let n_out = output_ids.len();
         eprintln!(
-            "prefill: {} tokens in {:.3}s ({:.1} tok/s) | decode: {} tokens in {:.3}s ({:.1} tok/s) | {:?} mode, {:?}, finish: {:?}",
+            "prefill: {} tokens in {:.3}s ({:.1} tok/s) | decode: {} tokens in {:.3}s ({:.1} tok/s) | {:?} mode, {}, finish: {:?}",
             prompt_ids.len(),
             result.prefill_time.as_secs_f64(),
             prompt_ids.len() as f64 / result.prefill_time.as_secs_f64().max(1e-9),
@@ -167,7 +192,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             result.decode_time.as_secs_f64(),
             n_out.saturating_sub(1) as f64 / result.decode_time.as_secs_f64().max(1e-9),
             a.mode,
-            m.backend.simd_level(),
+            m.backend.describe(),
             result.finish,
         );
     }

@@ -9,6 +9,7 @@ use kiln::backend::Precision;
 use kiln::backend::TREE_MAX_POSITIONS;
 use kiln::catalog::DEFAULT_MODEL;
 use kiln::lock::DriftPolicy;
+use kiln::runner::Device;
 use kiln::server::state::{Canary, LockGuard, ServeOptions};
 use kiln::speculation::{SpecConfig, SpecMethod, SpecPolicy};
 use serde::{Deserialize, Serialize};
@@ -61,6 +62,10 @@ pub struct ServeArgs {
     /// exact: f32 weights and arithmetic; fast: quantized weights and activations [default: fast].
     #[arg(long, value_enum)]
     mode: Option<Precision>,
+    /// Where the model runs: cpu, or cuda (one GPU; refused with the reason where this build or
+    /// machine cannot, never a silent CPU fallback) [default: cpu].
+    #[arg(long, value_enum)]
+    device: Option<Device>,
     /// Compute threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
@@ -159,6 +164,7 @@ fn merge(flags: ServeArgs, file: ServeArgs) -> ServeArgs {
         api_key: flags.api_key.or(file.api_key),
         api_key_file: flags.api_key_file.or(file.api_key_file),
         mode: flags.mode.or(file.mode),
+        device: flags.device.or(file.device),
         threads: flags.threads.or(file.threads),
         kv_tokens: flags.kv_tokens.or(file.kv_tokens),
         block_size: flags.block_size.or(file.block_size),
@@ -328,6 +334,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         port,
         api_key,
         precision: a.mode.unwrap_or_default(),
+        device: a.device.unwrap_or_default(),
         threads: a.threads,
         kv_tokens,
         block_size,
@@ -372,6 +379,7 @@ pub fn effective_table(args: ServeArgs) -> anyhow::Result<toml::Table> {
         host: Some(o.host.clone()),
         port: Some(o.port),
         mode: Some(o.precision),
+        device: Some(o.device),
         threads: Some(o.threads.unwrap_or(all_cores)),
         kv_tokens: Some(o.kv_tokens),
         block_size: Some(o.block_size),
@@ -415,6 +423,7 @@ fn lock_conflicts(f: &ServeArgs) -> Vec<&'static str> {
     flag(f.host.is_some(), "--host");
     flag(f.port.is_some(), "--port");
     flag(f.mode.is_some(), "--mode");
+    flag(f.device.is_some(), "--device");
     flag(f.threads.is_some(), "--threads");
     flag(f.kv_tokens.is_some(), "--kv-tokens");
     flag(f.block_size.is_some(), "--block-size");

@@ -11,10 +11,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::{CommError, Communicator, Shard, ThreadComm};
-use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Precision, SeqSpan};
 use crate::error::{Error, Result};
 use crate::model::{ForwardBatch, Llama, Workspace};
+use crate::runner::{Device, WithBackend};
 
 /// A step's batch, owned, so it can cross to the rank threads.
 struct OwnedBatch {
@@ -58,6 +58,8 @@ pub struct TpPeers {
 
 /// Where the peers load from and how big their caches are (the engine's numbers).
 pub struct PeerConfig {
+    /// Each rank builds its own backend on this device.
+    pub device: Device,
     pub model: PathBuf,
     pub precision: Precision,
     pub threads_per_rank: usize,
@@ -71,65 +73,96 @@ fn peer_main(
     jobs: Receiver<Arc<OwnedBatch>>,
     reports: &Sender<Report>,
 ) {
-    let rank = comm.rank();
-    let loaded = (|| -> Result<_> {
-        let (store, config) = crate::load::open_weights(&cfg.model)?;
-        let backend = CpuBackend::with_threads(cfg.threads_per_rank);
-        let shard = Shard {
-            rank,
-            world: comm.world(),
-        };
-        let model = Llama::load_shard(&backend, config, &store, cfg.precision, shard, |_, _| {})?;
-        let kv = backend.kv_store(
-            model.config.n_layers,
-            cfg.n_blocks,
-            cfg.block_size,
-            model.local_kv_width(),
-            cfg.precision,
-        );
-        let ws = Workspace::new(&backend);
-        Ok((backend, model, kv, ws))
-    })();
-    let (backend, model, mut kv, mut ws) = match loaded {
-        Ok(l) => {
-            let _ = reports.send((rank, Ok(())));
-            l
-        }
-        Err(e) => {
-            comm.abort();
-            let _ = reports.send((rank, Err(e)));
-            return;
-        }
+    let peer = Peer {
+        cfg,
+        comm,
+        jobs,
+        reports,
     };
-    // Until the engine drops its senders (shutdown) or a step fails.
-    while let Ok(job) = jobs.recv() {
-        let spans: Vec<SeqSpan> = job
-            .spans
-            .iter()
-            .map(|(first, n, start, table)| SeqSpan {
-                first_token: *first,
-                n_tokens: *n,
-                start_pos: *start,
-                block_table: table,
-                tree: None,
-            })
-            .collect();
-        let batch = ForwardBatch {
-            tokens: &job.tokens,
-            positions: &job.positions,
-            spans: &spans,
-            logit_rows: &job.logit_rows,
+    if let Err(e) = cfg.device.with_backend(Some(cfg.threads_per_rank), peer) {
+        comm.abort();
+        let _ = reports.send((comm.rank(), Err(e)));
+    }
+}
+
+/// One peer rank's life over the backend its device gives: load, then a step per job.
+struct Peer<'a> {
+    cfg: &'a PeerConfig,
+    comm: &'a ThreadComm,
+    jobs: Receiver<Arc<OwnedBatch>>,
+    reports: &'a Sender<Report>,
+}
+
+impl WithBackend for Peer<'_> {
+    type Output = ();
+
+    fn run<B: Backend + 'static>(self, backend: B) {
+        let Peer {
+            cfg,
+            comm,
+            jobs,
+            reports,
+        } = self;
+        let rank = comm.rank();
+        let loaded = (|| -> Result<_> {
+            let (store, config) = crate::load::open_weights(&cfg.model)?;
+            let shard = Shard {
+                rank,
+                world: comm.world(),
+            };
+            let model =
+                Llama::load_shard(&backend, config, &store, cfg.precision, shard, |_, _| {})?;
+            let kv = backend.kv_store(
+                model.config.n_layers,
+                cfg.n_blocks,
+                cfg.block_size,
+                model.local_kv_width(),
+                cfg.precision,
+            );
+            let ws = Workspace::new(&backend);
+            Ok((model, kv, ws))
+        })();
+        let (model, mut kv, mut ws) = match loaded {
+            Ok(l) => {
+                let _ = reports.send((rank, Ok(())));
+                l
+            }
+            Err(e) => {
+                comm.abort();
+                let _ = reports.send((rank, Err(e)));
+                return;
+            }
         };
-        let out = model
-            .forward_sharded(&backend, &mut kv, &batch, &mut ws, comm)
-            .map(|_| ());
-        let failed = out.is_err();
-        if failed {
-            comm.abort();
-        }
-        let _ = reports.send((rank, out));
-        if failed {
-            return;
+        // Until the engine drops its senders (shutdown) or a step fails.
+        while let Ok(job) = jobs.recv() {
+            let spans: Vec<SeqSpan> = job
+                .spans
+                .iter()
+                .map(|(first, n, start, table)| SeqSpan {
+                    first_token: *first,
+                    n_tokens: *n,
+                    start_pos: *start,
+                    block_table: table,
+                    tree: None,
+                })
+                .collect();
+            let batch = ForwardBatch {
+                tokens: &job.tokens,
+                positions: &job.positions,
+                spans: &spans,
+                logit_rows: &job.logit_rows,
+            };
+            let out = model
+                .forward_sharded(&backend, &mut kv, &batch, &mut ws, comm)
+                .map(|_| ());
+            let failed = out.is_err();
+            if failed {
+                comm.abort();
+            }
+            let _ = reports.send((rank, out));
+            if failed {
+                return;
+            }
         }
     }
 }

@@ -7,10 +7,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{PeerConfig, Shard, TpGroup};
-use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Precision, SeqSpan};
 use crate::error::{Error, Result};
 use crate::model::{ForwardBatch, Llama, Workspace};
+use crate::runner::{Device, WithBackend};
 
 /// Greedy decoding from rank 0's point of view.
 #[derive(Debug, Clone)]
@@ -21,6 +21,8 @@ pub struct GreedyRun {
 }
 
 pub struct TpOptions {
+    /// Every rank's backend runs on this device.
+    pub device: Device,
     pub world: usize,
     pub precision: Precision,
     /// Compute threads of each rank's CPU backend.
@@ -35,9 +37,47 @@ const BLOCK_SIZE: usize = 16;
 /// `opts.world` ranks. Any rank's failure (a load error, a panic, a stall) fails the whole run with
 /// that rank's error; no rank is left waiting.
 pub fn greedy(path: &Path, opts: TpOptions, prompt: &[u32], max_new: usize) -> Result<GreedyRun> {
+    let job = Greedy {
+        path,
+        opts: &opts,
+        prompt,
+        max_new,
+    };
+    opts.device.with_backend(Some(opts.threads_per_rank), job)?
+}
+
+struct Greedy<'a> {
+    path: &'a Path,
+    opts: &'a TpOptions,
+    prompt: &'a [u32],
+    max_new: usize,
+}
+
+impl WithBackend for Greedy<'_> {
+    type Output = Result<GreedyRun>;
+
+    fn run<B: Backend + 'static>(self, backend: B) -> Result<GreedyRun> {
+        let Greedy {
+            path,
+            opts,
+            prompt,
+            max_new,
+        } = self;
+        greedy_over(backend, path, opts, prompt, max_new)
+    }
+}
+
+fn greedy_over<B: Backend>(
+    backend: B,
+    path: &Path,
+    opts: &TpOptions,
+    prompt: &[u32],
+    max_new: usize,
+) -> Result<GreedyRun> {
     let n_blocks = (prompt.len() + max_new).div_ceil(BLOCK_SIZE).max(1);
     let group = if opts.world > 1 {
         let cfg = PeerConfig {
+            device: opts.device,
             model: path.to_path_buf(),
             precision: opts.precision,
             threads_per_rank: opts.threads_per_rank,
@@ -49,7 +89,6 @@ pub fn greedy(path: &Path, opts: TpOptions, prompt: &[u32], max_new: usize) -> R
         None
     };
     let (store, config) = crate::load::open_weights(path)?;
-    let backend = CpuBackend::with_threads(opts.threads_per_rank);
     let shard = Shard {
         rank: 0,
         world: opts.world,

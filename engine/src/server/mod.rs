@@ -30,11 +30,8 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
 
-use crate::backend::cpu::CpuBackend;
 use crate::batching::{self, EngineConfig, EngineRequest, Event, RequestParams};
-use crate::load::load_model_shard;
-use crate::model::Eagle3Draft;
-use crate::parallel::{PeerConfig, Shard, TpGroup};
+use crate::runner::{self, LoadSpec, ModelInfo, RunnerConfig};
 
 /// How long a tensor-parallel collective waits for a stalled rank before the group fails (a
 /// healthy step keeps every rank within milliseconds of the others).
@@ -159,67 +156,33 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Loads the model, starts the engine thread, warms it up with one generation, and publishes it.
+/// Loads the model into a runner, starts the engine thread, warms it up with one generation, and
+/// publishes it.
 async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> anyhow::Result<()> {
     let opts = state.opts.clone();
+    let spec = LoadSpec {
+        device: opts.device,
+        model: opts.model_path.clone(),
+        precision: opts.precision,
+        threads: opts.threads,
+        tensor_parallel: opts.tensor_parallel,
+        collective_timeout: TP_COLLECTIVE_TIMEOUT,
+        draft_model: opts.draft_model.clone(),
+        runner: RunnerConfig {
+            kv_tokens: opts.kv_tokens,
+            block_size: opts.block_size,
+            max_step_tokens: opts.max_step_tokens,
+            spec: opts.spec,
+        },
+    };
     let n2 = notifier.clone();
-    let (model, tp, draft) = tokio::task::spawn_blocking(move || -> crate::Result<_> {
-        let world = opts.tensor_parallel;
-        let all_threads = opts.threads.unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        });
-        let per_rank = (all_threads / world).max(1);
-        let backend = CpuBackend::with_threads(per_rank);
-        // Ranks 1.. load their shards on their own threads first; any failure stops the start.
-        let tp = if world > 1 {
-            n2.status(&format!("loading ranks 1..{world} of tensor parallelism"));
-            let cfg = PeerConfig {
-                model: opts.model_path.clone(),
-                precision: opts.precision,
-                threads_per_rank: per_rank,
-                n_blocks: opts.kv_tokens.div_ceil(opts.block_size),
-                block_size: opts.block_size,
-            };
-            Some(TpGroup::spawn(cfg, world, TP_COLLECTIVE_TIMEOUT)?)
-        } else {
-            None
-        };
-        let mut last = 0;
-        let shard = Shard { rank: 0, world };
-        let model = load_model_shard(
-            backend,
-            &opts.model_path,
-            opts.precision,
-            shard,
-            |done, total| {
-                if done != last {
-                    last = done;
-                    n2.status(&format!("loading layer {done}/{total}"));
-                }
-            },
-        )?;
-        let draft = match &opts.draft_model {
-            Some(dir) => {
-                n2.status("loading the EAGLE-3 draft head");
-                Some(Eagle3Draft::load(
-                    &model.backend,
-                    dir,
-                    model.config(),
-                    opts.precision,
-                )?)
-            }
-            None => None,
-        };
-        Ok((model, tp, draft))
-    })
-    .await
-    .context("the loading thread failed")?
-    .with_context(|| format!("loading {}", state.opts.model_path.display()))?;
-    let model = Arc::new(model);
+    let (runner, info) =
+        tokio::task::spawn_blocking(move || runner::load(&spec, &mut |s| n2.status(&s)))
+            .await
+            .context("the loading thread failed")?
+            .with_context(|| format!("loading {}", state.opts.model_path.display()))?;
     let opts = &state.opts;
-    let context = model.config().max_context;
+    let context = info.config.max_context;
     let max_model_len = opts
         .max_model_len
         .unwrap_or(context)
@@ -228,21 +191,24 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
     if opts.kv_tokens < opts.max_model_len.unwrap_or(context).min(context) {
         tracing::warn!("max_model_len capped at {max_model_len} tokens by the KV cache size");
     }
+    tracing::info!(
+        "{} on {}: {} KV tokens",
+        info.name,
+        info.backend,
+        opts.kv_tokens
+    );
     let cfg = EngineConfig {
-        block_size: opts.block_size,
-        kv_tokens: opts.kv_tokens,
         max_running: opts.max_running,
         max_step_tokens: opts.max_step_tokens,
         max_model_len,
         overlap: opts.overlap,
-        spec: opts.spec,
     };
-    let engine = batching::spawn_parallel(model.clone(), cfg, state.metrics.clone(), tp, draft)
+    let engine = batching::spawn(runner, cfg, state.metrics.clone())
         .context("starting the engine thread")?;
     notifier.status("warming up");
-    warm_up(&engine, &model).await?;
+    warm_up(&engine, &info).await?;
     let ready = Ready {
-        model,
+        model: info,
         engine,
         model_id,
         max_model_len,
@@ -257,10 +223,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
 
 /// One short greedy generation through the real path, so the first request does not pay for
 /// first-touch page faults and thread start-up.
-async fn warm_up(
-    engine: &batching::EngineHandle,
-    model: &crate::load::LoadedModel<CpuBackend>,
-) -> anyhow::Result<()> {
+async fn warm_up(engine: &batching::EngineHandle, model: &ModelInfo) -> anyhow::Result<()> {
     // A tokenizer may know more tokens than the model's vocabulary (a tiny test model with a
     // borrowed tokenizer): warm up on ids the model has.
     let vocab = model.config().vocab_size as u32;

@@ -7,10 +7,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::backend::Precision;
-use crate::backend::cpu::CpuBackend;
 use crate::batching::EngineHandle;
-use crate::load::LoadedModel;
 use crate::metrics::Metrics;
+use crate::runner::{Device, ModelInfo};
 
 /// `kiln serve`'s settings, resolved from flags and the config file.
 #[derive(Clone, Debug)]
@@ -22,6 +21,8 @@ pub struct ServeOptions {
     pub port: u16,
     pub api_key: Option<String>,
     pub precision: Precision,
+    /// Where the model runs (`--device`).
+    pub device: Device,
     pub threads: Option<usize>,
     pub kv_tokens: usize,
     pub block_size: usize,
@@ -74,7 +75,9 @@ pub struct Canary {
 }
 
 pub struct Ready {
-    pub model: Arc<LoadedModel<CpuBackend>>,
+    /// The model as the HTTP side knows it (tokenizer, configuration); the weights stay with
+    /// the engine thread's runner.
+    pub model: Arc<ModelInfo>,
     pub engine: EngineHandle,
     pub model_id: String,
     pub max_model_len: usize,

@@ -89,6 +89,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn describe(&self) -> String {
+        format!("cpu ({:?}, {} threads)", self.simd_level(), self.threads())
+    }
+
     fn matrix(&self, parts: &[TensorView], precision: Precision) -> Result<CpuMatrix> {
         CpuMatrix::prepare(parts, precision)
     }

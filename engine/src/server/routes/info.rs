@@ -9,7 +9,6 @@ use serde_json::json;
 
 use super::chat::chat_prompt;
 use super::{body, check_model, ready};
-use crate::backend::Backend;
 use crate::server::error::ApiError;
 use crate::server::protocol::{DetokenizeRequest, TokenizeRequest, parse_body};
 use crate::server::state::Shared;
@@ -45,8 +44,9 @@ pub async fn model_info(State(state): State<Shared>) -> Response {
             "num_layers": c.n_layers,
             "num_heads": c.n_heads,
             "num_kv_heads": c.n_kv_heads,
-            "precision": r.model.model.precision,
-            "backend": r.model.backend.name(),
+            "precision": r.model.precision,
+            "device": r.model.device,
+            "backend": r.model.backend,
             "eos_token_ids": r.model.tokenizer.eos_ids,
             "kv_cache_tokens": state.opts.kv_tokens,
             "max_running_requests": state.opts.max_running,

@@ -1,0 +1,370 @@
+//! [`Runner`]: one step is drafts -> batch -> forward -> acceptance -> draft catch-up, over any
+//! backend. The engine sees none of it: plan in, emitted tokens out.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::accept::{self, SeqLogits, StopRule};
+use super::drafter::{Drafter, Drafts};
+use super::plan::{SeqOutput, SeqParams, StepOutput, StepPlan};
+use super::{ModelInfo, ModelRunner, RunnerConfig};
+use crate::backend::{Backend, SeqSpan, TreeMask};
+use crate::batching::scheduler::SeqId;
+use crate::error::Result;
+use crate::kv_cache::{BlockAllocator, SeqBlocks};
+use crate::load::LoadedModel;
+use crate::model::{Eagle3Draft, ForwardBatch, Workspace};
+use crate::parallel::TpGroup;
+use crate::sampling::Sampler;
+use crate::speculation::Policy;
+use crate::speculation::eagle::Confirmed;
+
+/// A sequence's state that lives as long as the sequence, across preemptions.
+struct SeqSlot {
+    params: SeqParams,
+    sampler: Sampler,
+    /// EAGLE-3: the draft has extended every position of this sequence so far (it may draft).
+    draft_whole: bool,
+}
+
+pub struct Runner<B: Backend> {
+    model: LoadedModel<B>,
+    info: Arc<ModelInfo>,
+    cfg: RunnerConfig,
+    kv: B::KvStore,
+    ws: Workspace<B>,
+    tp: Option<TpGroup>,
+    drafter: Drafter<B>,
+    policy: Policy,
+    seqs: HashMap<SeqId, SeqSlot>,
+}
+
+/// One planned sequence as the batch lays it out.
+struct Fed {
+    /// Row of its first fed token in the batch.
+    first: usize,
+    /// Tokens fed, drafts included.
+    n: usize,
+    /// Its first logits row, when it samples this step.
+    row: Option<usize>,
+}
+
+impl<B: Backend> Runner<B> {
+    /// A runner over `model` (rank 0's shard with `tp`), with `draft` as its EAGLE-3 head when
+    /// the speculation settings ask for one. Measures the policy's step costs when speculation is
+    /// adaptive.
+    pub fn new(
+        model: LoadedModel<B>,
+        info: Arc<ModelInfo>,
+        cfg: RunnerConfig,
+        tp: Option<TpGroup>,
+        draft: Option<Eagle3Draft<B>>,
+    ) -> Runner<B> {
+        let c = model.config();
+        let n_blocks = cfg.n_blocks();
+        // This rank's KV heads only (all of them without tensor parallelism).
+        let kv = model.backend.kv_store(
+            c.n_layers,
+            n_blocks,
+            cfg.block_size,
+            model.model.local_kv_width(),
+            model.model.precision,
+        );
+        let drafter = Drafter::new(&cfg.spec, draft, &model.backend, n_blocks, cfg.block_size);
+        let mut ws = Workspace::new(&model.backend);
+        ws.capture_layers = drafter.aux_layers();
+        let mut runner = Runner {
+            policy: Policy::new(cfg.spec),
+            kv,
+            ws,
+            tp,
+            drafter,
+            model,
+            info,
+            cfg,
+            seqs: HashMap::new(),
+        };
+        if runner.policy.enabled() && cfg.spec.adaptive {
+            runner.calibrate();
+        }
+        runner
+    }
+
+    /// Seeds the speculation policy's cost table: timed forwards of 1..64 tokens on scratch
+    /// blocks (nothing else is in the cache yet). Steps measured while serving refine it.
+    fn calibrate(&mut self) {
+        let vocab = self.model.config().vocab_size as u32;
+        let mut alloc = BlockAllocator::new(self.cfg.n_blocks(), self.cfg.block_size);
+        let mut blocks = SeqBlocks::default();
+        for n in [1usize, 2, 4, 8, 16, 32, 64] {
+            if n > self.cfg.max_step_tokens || blocks.reserve(&mut alloc, n).is_err() {
+                break;
+            }
+            let tokens: Vec<u32> = (0..n as u32).map(|i| i % vocab).collect();
+            let positions: Vec<usize> = (0..n).collect();
+            let spans = [SeqSpan {
+                first_token: 0,
+                n_tokens: n,
+                start_pos: 0,
+                block_table: &blocks.table,
+                tree: None,
+            }];
+            let batch = ForwardBatch {
+                tokens: &tokens,
+                positions: &positions,
+                spans: &spans,
+                logit_rows: &[n - 1],
+            };
+            for _ in 0..2 {
+                let t = Instant::now();
+                if self.forward(&batch).is_err() {
+                    return;
+                }
+                self.policy.record_step(n, t.elapsed().as_secs_f64());
+            }
+        }
+    }
+
+    /// The whole model, or (tensor parallelism: this is rank 0) rank 0's shard while the peers
+    /// run theirs.
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>> {
+        let m = &self.model;
+        let (kv, ws) = (&mut self.kv, &mut self.ws);
+        match &self.tp {
+            None => m.model.forward(&m.backend, kv, batch, ws),
+            Some(tp) => tp.step(batch, |comm| {
+                m.model.forward_sharded(&m.backend, kv, batch, ws, comm)
+            }),
+        }
+    }
+
+    /// The step's batch: each sequence's new tokens and drafts, their positions (a tree's nodes
+    /// at their depths), and the logits rows of every sequence that samples.
+    fn lay_out(
+        plan: &StepPlan<'_>,
+        drafts: &Drafts,
+    ) -> (Vec<u32>, Vec<usize>, Vec<usize>, Vec<Fed>) {
+        let (mut tokens, mut positions, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+        let mut fed = Vec::with_capacity(plan.seqs.len());
+        for (w, s) in plan.seqs.iter().enumerate() {
+            let d = &drafts.tokens[w];
+            let first = tokens.len();
+            let n = s.n_new + d.len();
+            tokens.extend_from_slice(&s.tokens[s.computed..s.computed + s.n_new]);
+            tokens.extend_from_slice(d);
+            match &drafts.trees[w] {
+                // Tree nodes take the slots after the current token, at their depth's position.
+                Some(t) => {
+                    positions.push(s.computed);
+                    positions.extend(t.depths().into_iter().map(|dep| s.computed + dep));
+                }
+                None => positions.extend(s.computed..s.computed + n),
+            }
+            let row = s.samples().then(|| {
+                let row = rows.len();
+                // A verified sequence needs the logits after its last real token and after each
+                // draft token.
+                rows.extend(first + n - 1 - d.len()..first + n);
+                row
+            });
+            fed.push(Fed { first, n, row });
+        }
+        (tokens, positions, rows, fed)
+    }
+}
+
+impl<B: Backend> ModelRunner for Runner<B> {
+    fn info(&self) -> &Arc<ModelInfo> {
+        &self.info
+    }
+
+    fn kv_layout(&self) -> (usize, usize) {
+        (self.cfg.n_blocks(), self.cfg.block_size)
+    }
+
+    fn admit(&mut self, id: SeqId, params: SeqParams, prompt: &[u32]) {
+        let sampler = Sampler::new(params.sampling.clone(), prompt);
+        self.seqs.insert(
+            id,
+            SeqSlot {
+                params,
+                sampler,
+                draft_whole: false,
+            },
+        );
+    }
+
+    fn release(&mut self, id: SeqId) {
+        self.seqs.remove(&id);
+    }
+
+    fn draft_slots(&self, room: usize) -> usize {
+        if self.policy.enabled() {
+            self.drafter.slots(&self.cfg.spec, room)
+        } else {
+            0
+        }
+    }
+
+    fn execute(&mut self, plan: &StepPlan<'_>) -> Result<StepOutput> {
+        // The policy may park the EAGLE-3 draft (drafting did not pay): no drafts, no extend.
+        let parked = self.policy.draft_parked(plan.seqs.len());
+        let budget = self.cfg.max_step_tokens.saturating_sub(plan.tokens());
+        let drafts = if self.policy.enabled() && !parked {
+            self.drafter
+                .propose(&self.model, &mut self.policy, plan, budget)
+        } else {
+            Drafts::none(plan.seqs.len())
+        };
+        let (tokens, positions, logit_rows, fed) = Self::lay_out(plan, &drafts);
+        let masks: Vec<Option<Vec<u64>>> = drafts
+            .trees
+            .iter()
+            .map(|t| t.as_ref().map(|t| t.verify_mask()))
+            .collect();
+        let spans: Vec<SeqSpan> = plan
+            .seqs
+            .iter()
+            .zip(&fed)
+            .zip(&masks)
+            .map(|((s, f), mask)| SeqSpan {
+                first_token: f.first,
+                n_tokens: f.n,
+                start_pos: s.computed,
+                block_table: s.block_table,
+                tree: mask.as_ref().map(|rows| TreeMask {
+                    base: s.computed,
+                    rows,
+                }),
+            })
+            .collect();
+        let batch = ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            spans: &spans,
+            logit_rows: &logit_rows,
+        };
+        let t = Instant::now();
+        let logits = self.forward(&batch);
+        self.policy
+            .record_step(tokens.len(), t.elapsed().as_secs_f64());
+        let logits = logits?;
+
+        let vocab = self.model.config().vocab_size;
+        let mut outputs = Vec::with_capacity(plan.seqs.len());
+        // Tree sequences: the batch rows of the positions verification confirmed.
+        let mut confirmed_rows: Vec<Option<Vec<usize>>> = vec![None; plan.seqs.len()];
+        for (w, (s, f)) in plan.seqs.iter().zip(&fed).enumerate() {
+            let (Some(row), Some(slot)) = (f.row, self.seqs.get_mut(&s.id)) else {
+                outputs.push(SeqOutput::default());
+                continue;
+            };
+            let rows = SeqLogits {
+                logits: &logits,
+                first_row: row,
+                vocab,
+            };
+            let stop = StopRule {
+                tokenizer: &self.model.tokenizer,
+                params: &slot.params,
+                tokens_left: s.tokens_left,
+                context_left: s.context_left,
+            };
+            let out = match &drafts.trees[w] {
+                Some(tree) => {
+                    let (out, path) = accept::tree(&mut slot.sampler, &rows, s, tree, &stop);
+                    // Node c's KV sits in the slot after the current token's plus c; the
+                    // accepted path moves to consecutive positions (sources never precede
+                    // destinations).
+                    let moves: Vec<(usize, usize)> = path
+                        .iter()
+                        .enumerate()
+                        .map(|(depth, &c)| (s.computed + 1 + c, s.computed + 1 + depth))
+                        .collect();
+                    self.model
+                        .backend
+                        .move_kv(&mut self.kv, s.block_table, &moves);
+                    confirmed_rows[w] = Some(
+                        std::iter::once(f.first)
+                            .chain(path.iter().map(|&c| f.first + 1 + c))
+                            .collect(),
+                    );
+                    out
+                }
+                None => accept::chain(&mut slot.sampler, &rows, s, &drafts.tokens[w], &stop),
+            };
+            if out.drafted > 0 {
+                // A tree is tried depth by depth, as a chain of its depth.
+                let proposed = drafts.trees[w]
+                    .as_ref()
+                    .map_or(out.drafted, |t| t.depths().into_iter().max().unwrap_or(0));
+                self.policy.record_verify(proposed, out.accepted);
+            }
+            outputs.push(out);
+        }
+        if self.drafter.is_eagle() {
+            self.extend_draft(plan, &fed, &outputs, &confirmed_rows, parked);
+        }
+        Ok(StepOutput {
+            seqs: outputs,
+            chosen_k: drafts.chosen_k,
+            draft_parked: parked,
+            forward_tokens: tokens.len(),
+        })
+    }
+}
+
+impl<B: Backend> Runner<B> {
+    /// EAGLE-3: the draft head catches up on every position this step confirmed.
+    fn extend_draft(
+        &mut self,
+        plan: &StepPlan<'_>,
+        fed: &[Fed],
+        outputs: &[SeqOutput],
+        confirmed_rows: &[Option<Vec<usize>>],
+        parked: bool,
+    ) {
+        // Each sequence's tokens after this step: the draft reads the token after every
+        // confirmed position.
+        let grown: Vec<Vec<u32>> = plan
+            .seqs
+            .iter()
+            .zip(outputs)
+            .map(|(s, o)| {
+                let mut t = s.tokens.to_vec();
+                t.extend(o.tokens.iter().map(|x| x.token));
+                t
+            })
+            .collect();
+        let mut confirmed = Vec::new();
+        for (w, s) in plan.seqs.iter().enumerate() {
+            // Only a sequence whose every position went through the draft may draft: one that
+            // starts now, or one that has been whole since it started; none while parked.
+            let Some(slot) = self.seqs.get_mut(&s.id) else {
+                continue;
+            };
+            slot.draft_whole = !parked && (s.computed == 0 || slot.draft_whole);
+            if !slot.draft_whole {
+                continue;
+            }
+            let o = &outputs[w];
+            let computed = s.computed + s.n_new + if fed[w].row.is_some() { o.accepted } else { 0 };
+            let count = computed - s.computed;
+            confirmed.push(Confirmed {
+                id: s.id,
+                start: s.computed,
+                batch_rows: confirmed_rows[w]
+                    .clone()
+                    .unwrap_or_else(|| (fed[w].first..fed[w].first + count).collect()),
+                tokens: &grown[w],
+                block_table: s.block_table,
+                drafts_next: computed + 1 == grown[w].len() && o.finish.is_none(),
+            });
+        }
+        let captured = std::mem::take(&mut self.ws.captured);
+        self.drafter
+            .extend(&self.model, &mut self.policy, &captured, &confirmed);
+        self.ws.captured = captured;
+    }
+}

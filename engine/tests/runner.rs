@@ -1,0 +1,162 @@
+//! The model runner on its own: a step plan in, emitted tokens out, over a real model. What the
+//! engine relies on and the server tests cannot isolate: the token mask, the stop rules a step
+//! emits by, and drafting within the room the plan gives.
+
+mod common;
+
+use kiln::backend::Precision;
+use kiln::generate::FinishReason;
+use kiln::kv_cache::{BlockAllocator, SeqBlocks};
+use kiln::runner::{
+    Device, LoadSpec, ModelRunner, RunnerConfig, SeqParams, SeqPlan, StepOutput, StepPlan,
+    TokenMask,
+};
+use kiln::sampling::SamplingParams;
+use kiln::speculation::{SpecConfig, SpecMethod};
+
+const BLOCK: usize = 16;
+
+fn runner(spec: SpecConfig) -> Box<dyn ModelRunner> {
+    let load = LoadSpec {
+        device: Device::Cpu,
+        model: common::smollm2(),
+        precision: Precision::Exact,
+        threads: Some(2),
+        tensor_parallel: 1,
+        collective_timeout: std::time::Duration::from_secs(60),
+        draft_model: None,
+        runner: RunnerConfig {
+            kv_tokens: 1024,
+            block_size: BLOCK,
+            max_step_tokens: 256,
+            spec,
+        },
+    };
+    kiln::runner::load(&load, &mut |_| {}).expect("load").0
+}
+
+fn greedy() -> SeqParams {
+    SeqParams {
+        sampling: SamplingParams::greedy(),
+        ignore_eos: true,
+        stop_token_ids: vec![],
+    }
+}
+
+/// One sequence through the runner step by step, as the engine drives it.
+struct Seq {
+    tokens: Vec<u32>,
+    computed: usize,
+    blocks: SeqBlocks,
+}
+
+impl Seq {
+    fn step(
+        &mut self,
+        r: &mut dyn ModelRunner,
+        alloc: &mut BlockAllocator,
+        room: usize,
+        tokens_left: usize,
+        mask: Option<&TokenMask>,
+    ) -> StepOutput {
+        let n_new = self.tokens.len() - self.computed;
+        let slots = if n_new == 1 { r.draft_slots(room) } else { 0 };
+        self.blocks
+            .reserve(alloc, self.tokens.len() + slots)
+            .expect("blocks");
+        let plan = StepPlan {
+            seqs: vec![SeqPlan {
+                id: 7,
+                tokens: &self.tokens,
+                computed: self.computed,
+                cached_prefix: 0,
+                n_new,
+                block_table: &self.blocks.table,
+                decoding: n_new == 1,
+                draft_room: if slots > 0 { room } else { 0 },
+                tokens_left,
+                context_left: 1 << 20,
+                mask,
+            }],
+        };
+        let out = r.execute(&plan).expect("step");
+        let o = &out.seqs[0];
+        self.computed += n_new + o.accepted;
+        self.tokens.extend(o.tokens.iter().map(|s| s.token));
+        out
+    }
+}
+
+fn start(r: &mut dyn ModelRunner, prompt: &[u32]) -> (Seq, BlockAllocator) {
+    let (n_blocks, block) = r.kv_layout();
+    r.admit(7, greedy(), prompt);
+    let seq = Seq {
+        tokens: prompt.to_vec(),
+        computed: 0,
+        blocks: SeqBlocks::default(),
+    };
+    (seq, BlockAllocator::new(n_blocks, block))
+}
+
+const PROMPT: [u32; 6] = [1, 504, 3458, 282, 4193, 314];
+
+#[test]
+fn the_token_mask_decides_what_a_step_may_sample() {
+    let mut r = runner(SpecConfig::default());
+    let (mut seq, mut alloc) = start(r.as_mut(), &PROMPT);
+    let free = seq.step(r.as_mut(), &mut alloc, 0, 8, None).seqs[0].tokens[0].token;
+    r.release(7);
+
+    // The same step with the free choice masked out: the best of what the mask allows.
+    let vocab = r.info().config.vocab_size;
+    let allowed = [free + 1, free + 2, 17];
+    let mask = TokenMask::allowing(vocab, allowed);
+    let (mut seq, mut alloc) = start(r.as_mut(), &PROMPT);
+    let out = seq.step(r.as_mut(), &mut alloc, 0, 8, Some(&mask));
+    let got = out.seqs[0].tokens[0].token;
+    assert_ne!(got, free);
+    assert!(allowed.contains(&got), "{got} is outside the mask");
+}
+
+#[test]
+fn n_gram_drafts_are_made_and_verified_and_stop_at_the_token_budget() {
+    let spec = SpecConfig {
+        method: SpecMethod::Ngram,
+        adaptive: false,
+        num_steps: 4,
+        ..SpecConfig::default()
+    };
+    let mut plain = runner(SpecConfig::default());
+    // A prompt the model continues by repeating it, so prompt lookup has drafts that stand.
+    let prompt = plain
+        .info()
+        .tokenizer
+        .encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,", true)
+        .expect("encode");
+    let (mut want, mut alloc) = start(plain.as_mut(), &prompt);
+    while want.tokens.len() < prompt.len() + 16 {
+        want.step(plain.as_mut(), &mut alloc, 0, 64, None);
+    }
+
+    let mut r = runner(spec);
+    let (mut seq, mut alloc) = start(r.as_mut(), &prompt);
+    let (mut drafted, mut accepted) = (0, 0);
+    while seq.tokens.len() < prompt.len() + 16 {
+        let out = seq.step(r.as_mut(), &mut alloc, 4, 64, None);
+        drafted += out.seqs[0].drafted;
+        accepted += out.seqs[0].accepted;
+        assert_eq!(out.seqs[0].tokens.len(), out.seqs[0].accepted + 1);
+    }
+    assert!(drafted > 0, "no drafts were made");
+    assert!(accepted > 0, "no draft was accepted");
+    assert_eq!(
+        seq.tokens[..want.tokens.len()],
+        want.tokens[..],
+        "speculation changed greedy output"
+    );
+
+    // With one token left the step emits exactly one, whatever it drafted, and says why it ends.
+    let out = seq.step(r.as_mut(), &mut alloc, 4, 1, None);
+    assert_eq!(out.seqs[0].tokens.len(), 1);
+    assert_eq!(out.seqs[0].finish, Some(FinishReason::Length));
+}
