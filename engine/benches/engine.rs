@@ -25,14 +25,17 @@ fn batched_decode(m: &LoadedModel<CpuBackend>, batch: usize, context: usize, ste
     let c = m.config();
     let per_seq = (context + steps).div_ceil(BLOCK);
     let mut alloc = BlockAllocator::new(per_seq * batch, BLOCK);
-    let mut kv = m.backend.kv_store(
-        c.n_layers,
-        per_seq * batch,
-        BLOCK,
-        c.kv_width(),
-        m.model.precision,
-    );
-    let mut ws = Workspace::new(&m.backend);
+    let mut kv = m
+        .backend
+        .kv_store(
+            c.n_layers,
+            per_seq * batch,
+            BLOCK,
+            c.kv_width(),
+            m.model.precision,
+        )
+        .expect("backend op");
+    let mut ws = Workspace::new(&m.backend).expect("workspace");
     let mut seqs: Vec<SeqBlocks> = (0..batch).map(|_| SeqBlocks::default()).collect();
     for s in &mut seqs {
         s.reserve(&mut alloc, context + steps).expect("kv fits");
@@ -137,7 +140,7 @@ fn main() {
             None => CpuBackend::new(),
         };
         let m = load_model(backend, &model, precision, |_, _| {}).expect("load");
-        let mut seq = SingleSequence::new(&m, n_prompt + n_decode + 1);
+        let mut seq = SingleSequence::new(&m, n_prompt + n_decode + 1).expect("sequence");
         // Prompt ids cycle through ordinary vocabulary; the content does not change the work.
         let prompt: Vec<u32> = (0..n_prompt as u32)
             .map(|i| 1000 + (i * 37) % 40000)

@@ -62,20 +62,20 @@ pub struct SingleSequence<B: Backend> {
 }
 
 impl<B: Backend> SingleSequence<B> {
-    pub fn new(m: &LoadedModel<B>, max_len: usize) -> Self {
+    pub fn new(m: &LoadedModel<B>, max_len: usize) -> Result<Self> {
         let c = m.config();
         let n_blocks = max_len.div_ceil(DEFAULT_BLOCK_SIZE);
-        SingleSequence {
+        Ok(SingleSequence {
             kv: m.backend.kv_store(
                 c.n_layers,
                 n_blocks,
                 DEFAULT_BLOCK_SIZE,
                 c.kv_width(),
                 m.model.precision,
-            ),
+            )?,
             alloc: BlockAllocator::new(n_blocks, DEFAULT_BLOCK_SIZE),
-            ws: Workspace::new(&m.backend),
-        }
+            ws: Workspace::new(&m.backend)?,
+        })
     }
 
     /// Generates from `prompt`; `on_token` sees each token as it is sampled.

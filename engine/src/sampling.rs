@@ -23,7 +23,10 @@ pub struct SamplingParams {
     /// OpenAI style, on output tokens: subtracted per occurrence.
     pub frequency_penalty: f32,
     pub seed: Option<u64>,
-    /// Also return the top-n alternatives' logprobs (0: only the chosen token's).
+    /// Compute the chosen token's logprob (the request asked for logprobs). Without it a token's
+    /// `logprob` is 0 and sampling spends no pass over the vocabulary on it.
+    pub logprobs: bool,
+    /// With `logprobs`, also the top-n alternatives' logprobs (0: only the chosen token's).
     pub top_logprobs: usize,
 }
 
@@ -38,6 +41,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logprobs: false,
             top_logprobs: 0,
         }
     }
@@ -78,7 +82,7 @@ impl SamplingParams {
     }
 }
 
-/// The chosen token with its logprob under the model's distribution.
+/// The chosen token with its logprob under the model's distribution (0 unless the request asked).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
     pub token: u32,
@@ -166,18 +170,26 @@ impl Sampler {
         choose: impl FnOnce(&mut Self, &[f32]) -> u32,
     ) -> Sampled {
         let p = &self.params;
-        let (raw_lse, top) = log_softmax_stats(logits, p.top_logprobs);
+        // Logprobs describe the model's distribution, before penalties rewrite the logits.
+        let stats = p
+            .logprobs
+            .then(|| log_softmax_stats(logits, p.top_logprobs));
         let penalised =
             p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-        // Logprobs describe the model's distribution, before penalties rewrite the logits.
-        let raw = penalised.then(|| logits.to_vec());
+        let raw = (p.logprobs && penalised).then(|| logits.to_vec());
         self.apply_penalties(logits);
         let token = choose(self, logits);
-        let logprob = raw.as_deref().unwrap_or(logits)[token as usize] - raw_lse;
-        let out = Sampled {
-            token,
-            logprob,
-            top: top.into_iter().map(|(t, l)| (t, l - raw_lse)).collect(),
+        let out = match stats {
+            Some((raw_lse, top)) => Sampled {
+                token,
+                logprob: raw.as_deref().unwrap_or(logits)[token as usize] - raw_lse,
+                top: top.into_iter().map(|(t, l)| (t, l - raw_lse)).collect(),
+            },
+            None => Sampled {
+                token,
+                logprob: 0.0,
+                top: Vec::new(),
+            },
         };
         self.observe(token);
         out
@@ -474,6 +486,7 @@ mod tests {
     fn logprobs_are_normalised_and_sorted() {
         let mut s = Sampler::new(
             SamplingParams {
+                logprobs: true,
                 top_logprobs: 3,
                 ..Default::default()
             },

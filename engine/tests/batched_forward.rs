@@ -26,8 +26,9 @@ fn run(
     let mut alloc = BlockAllocator::new(64, BLOCK);
     let mut kv = m
         .backend
-        .kv_store(c.n_layers, 64, BLOCK, c.kv_width(), m.model.precision);
-    let mut ws = Workspace::new(&m.backend);
+        .kv_store(c.n_layers, 64, BLOCK, c.kv_width(), m.model.precision)
+        .expect("backend op");
+    let mut ws = Workspace::new(&m.backend).expect("workspace");
     let mut done = vec![0usize; seqs.len()];
     let mut all_logits = Vec::new();
     for step in steps {
@@ -225,8 +226,9 @@ fn tree_verification_equals_each_path_run_alone_and_moved_kv_decodes_on() {
     let mut alloc = BlockAllocator::new(64, BLOCK);
     let mut kv = m
         .backend
-        .kv_store(c.n_layers, 64, BLOCK, c.kv_width(), m.model.precision);
-    let mut ws = Workspace::new(&m.backend);
+        .kv_store(c.n_layers, 64, BLOCK, c.kv_width(), m.model.precision)
+        .expect("backend op");
+    let mut ws = Workspace::new(&m.backend).expect("workspace");
     let mut blocks = SeqBlocks::default();
     blocks.reserve(&mut alloc, n + tree.len()).expect("kv fits");
     // Prefill all but the last prompt token, then the tree step.
@@ -303,7 +305,9 @@ fn tree_verification_equals_each_path_run_alone_and_moved_kv_decodes_on() {
         .enumerate()
         .map(|(depth, &i)| (n + i, n + depth))
         .collect();
-    m.backend.move_kv(&mut kv, &blocks.table, &moves);
+    m.backend
+        .move_kv(&mut kv, &blocks.table, &moves)
+        .expect("move_kv");
     let next = node(" return");
     let at = n + path.len();
     let span = [SeqSpan {

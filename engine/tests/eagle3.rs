@@ -39,13 +39,16 @@ fn captured(m: &LoadedModel<CpuBackend>, prompt: &[u32], layers: &[usize]) -> Ve
     let mut alloc = BlockAllocator::new(n.div_ceil(BLOCK), BLOCK);
     let mut seq = SeqBlocks::default();
     seq.reserve(&mut alloc, n).expect("kv");
-    let mut kv = m.backend.kv_store(
-        c.n_layers,
-        n.div_ceil(BLOCK),
-        BLOCK,
-        c.kv_width(),
-        m.model.precision,
-    );
+    let mut kv = m
+        .backend
+        .kv_store(
+            c.n_layers,
+            n.div_ceil(BLOCK),
+            BLOCK,
+            c.kv_width(),
+            m.model.precision,
+        )
+        .expect("backend op");
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,
@@ -54,7 +57,7 @@ fn captured(m: &LoadedModel<CpuBackend>, prompt: &[u32], layers: &[usize]) -> Ve
         block_table: &seq.table,
         tree: None,
     }];
-    let mut ws = Workspace::new(&m.backend);
+    let mut ws = Workspace::new(&m.backend).expect("workspace");
     ws.capture_layers = layers.to_vec();
     let batch = ForwardBatch {
         tokens: prompt,
@@ -93,8 +96,9 @@ fn run_draft(
     seq.reserve(&mut alloc, n + 1).expect("kv");
     let mut kv = m
         .backend
-        .kv_store(1, blocks, BLOCK, draft.kv_width(), Precision::Exact);
-    let mut ws = DraftWorkspace::new(&m.backend);
+        .kv_store(1, blocks, BLOCK, draft.kv_width(), Precision::Exact)
+        .expect("backend op");
+    let mut ws = DraftWorkspace::new(&m.backend).expect("workspace");
     let all: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,
@@ -122,11 +126,12 @@ fn run_draft(
         // A fresh cache with the extend's entries 0..=t, then the chained step at t + 1.
         let mut kv = m
             .backend
-            .kv_store(1, blocks, BLOCK, draft.kv_width(), Precision::Exact);
+            .kv_store(1, blocks, BLOCK, draft.kv_width(), Precision::Exact)
+            .expect("backend op");
         let prefix: Vec<usize> = (0..=t).collect();
         let aux_prefix: Vec<CpuBuffer> = aux
             .iter()
-            .map(|a| m.backend.gather_rows(a, &prefix))
+            .map(|a| m.backend.gather_rows(a, &prefix).expect("backend op"))
             .collect();
         let spans = [SeqSpan {
             first_token: 0,

@@ -77,7 +77,8 @@ fn teacher_forced(m: &LoadedModel<CpuBackend>, case: &Case) -> Vec<Vec<f32>> {
     seq.reserve(&mut alloc, n).expect("kv");
     let mut kv = m
         .backend
-        .kv_store(c.n_layers, n_blocks, block, c.kv_width(), m.model.precision);
+        .kv_store(c.n_layers, n_blocks, block, c.kv_width(), m.model.precision)
+        .expect("backend op");
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,
@@ -95,7 +96,12 @@ fn teacher_forced(m: &LoadedModel<CpuBackend>, case: &Case) -> Vec<Vec<f32>> {
     };
     let logits = m
         .model
-        .forward(&m.backend, &mut kv, &batch, &mut Workspace::new(&m.backend))
+        .forward(
+            &m.backend,
+            &mut kv,
+            &batch,
+            &mut Workspace::new(&m.backend).expect("workspace"),
+        )
         .expect("forward");
     logits.chunks(c.vocab_size).map(|r| r.to_vec()).collect()
 }
@@ -144,7 +150,8 @@ fn check(model: &std::path::Path, fixture: &str, precision: Precision, logit_tol
             ignore_eos: true,
             ..Default::default()
         };
-        let mut seq = SingleSequence::new(&m, case.prompt_ids.len() + case.greedy_ids.len() + 1);
+        let mut seq = SingleSequence::new(&m, case.prompt_ids.len() + case.greedy_ids.len() + 1)
+            .expect("sequence");
         let out = seq
             .generate(&m, &case.prompt_ids, &opts, |_| {})
             .expect("generate")

@@ -147,9 +147,11 @@ fn hf_directory_matches_gguf() {
         ..Default::default()
     };
     let a = SingleSequence::new(&from_gguf, 128)
+        .expect("sequence")
         .generate(&from_gguf, &prompt, &opts, |_| {})
         .expect("gen");
     let b = SingleSequence::new(&from_hf, 128)
+        .expect("sequence")
         .generate(&from_hf, &prompt, &opts, |_| {})
         .expect("gen");
     let _ = std::fs::remove_dir_all(&dir);

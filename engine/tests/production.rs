@@ -205,7 +205,7 @@ fn sweep_lock_doc_doctor_and_serve_lock() {
     ]);
     assert!(!conflict.status.success());
     let msg = String::from_utf8_lossy(&conflict.stderr);
-    assert!(msg.contains("--port, --mode"), "{msg}");
+    assert!(msg.contains("--port") && msg.contains("--mode"), "{msg}");
     let refused = kiln(&[
         "serve",
         "--lock",

@@ -28,8 +28,8 @@ fn check_file(path: &std::path::Path, names: &[&str]) {
                 .matrix(std::slice::from_ref(&v), Precision::Fast)
                 .expect("fast");
             let (mut ye, mut yf) = (CpuBuffer::default(), CpuBuffer::default());
-            b.matmul(&x, &exact, &mut ye);
-            b.matmul(&x, &fast, &mut yf);
+            b.matmul(&x, &exact, &mut ye).expect("matmul");
+            b.matmul(&x, &fast, &mut yf).expect("matmul");
             let num: f32 = ye
                 .data
                 .iter()

@@ -160,3 +160,38 @@ fn n_gram_drafts_are_made_and_verified_and_stop_at_the_token_budget() {
     assert_eq!(out.seqs[0].tokens.len(), 1);
     assert_eq!(out.seqs[0].finish, Some(FinishReason::Length));
 }
+
+#[test]
+fn a_failing_op_fails_the_step_with_an_error_and_the_runner_goes_on() {
+    let mut r = runner(SpecConfig::default());
+    let vocab = r.info().config.vocab_size as u32;
+    // A token id past the vocabulary: the embedding op refuses it.
+    let (mut bad, mut alloc) = start(r.as_mut(), &[1, vocab + 5]);
+    bad.blocks.reserve(&mut alloc, 2).expect("blocks");
+    let plan = StepPlan {
+        seqs: vec![SeqPlan {
+            id: 7,
+            tokens: &bad.tokens,
+            computed: 0,
+            cached_prefix: 0,
+            n_new: 2,
+            block_table: &bad.blocks.table,
+            decoding: false,
+            draft_room: 0,
+            tokens_left: 4,
+            context_left: 64,
+            mask: None,
+        }],
+    };
+    let e = r
+        .execute(&plan)
+        .expect_err("an id outside the vocabulary must fail the step");
+    assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+    assert!(!e.backend_lost(), "one bad step does not lose the backend");
+    r.release(7);
+
+    // The next plan runs as if nothing happened.
+    let (mut seq, mut alloc) = start(r.as_mut(), &PROMPT);
+    let out = seq.step(r.as_mut(), &mut alloc, 0, 8, None);
+    assert_eq!(out.seqs[0].tokens.len(), 1);
+}

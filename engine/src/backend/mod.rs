@@ -74,7 +74,9 @@ pub struct RopeSpec {
     pub attention_factor: f32,
 }
 
-/// The compute primitives. Activations are row-major `[n_tokens, width]` buffers.
+/// The compute primitives. Activations are row-major `[n_tokens, width]` buffers. Every op returns
+/// a `Result`: a device backend's launch, allocation or transfer can fail, and the failure has to
+/// reach the runner (which fails the step's requests) rather than panic the engine thread.
 pub trait Backend: Send + Sync {
     /// A weight matrix `[rows (outputs), cols (inputs)]` in whatever layout the backend computes with.
     type Matrix: Send + Sync;
@@ -84,6 +86,12 @@ pub trait Backend: Send + Sync {
     type Buffer: Send;
     /// Key/value storage for every layer, in fixed-size blocks.
     type KvStore: Send;
+    /// One forward's metadata in the backend's own form: each token's position, each sequence's
+    /// span, block table and tree mask. Made once per forward by [`Backend::step_meta`], so a
+    /// device backend uploads it once and every layer's rope and attention read that copy.
+    type StepMeta<'a>
+    where
+        Self: 'a;
 
     fn name(&self) -> &'static str;
     /// The backend and what it runs on, for logs and `kiln generate`'s summary line.
@@ -103,7 +111,7 @@ pub trait Backend: Send + Sync {
     fn vector(&self, v: &TensorView) -> Result<Self::Vector>;
     fn vector_from_host(&self, values: &[f32]) -> Result<Self::Vector>;
     /// A buffer of `n_rows * width` zeros.
-    fn buffer(&self, n_rows: usize, width: usize) -> Self::Buffer;
+    fn buffer(&self, n_rows: usize, width: usize) -> Result<Self::Buffer>;
     /// The paged KV cache. `precision` lets a backend store it narrower in fast mode (the CPU
     /// backend keeps f16 cells where its AVX-512 kernel reads them; exact mode is always f32).
     fn kv_store(
@@ -113,16 +121,28 @@ pub trait Backend: Send + Sync {
         block_size: usize,
         kv_width: usize,
         precision: Precision,
-    ) -> Self::KvStore;
+    ) -> Result<Self::KvStore>;
 
+    /// A forward's metadata (see [`Backend::StepMeta`]), made once before its first layer.
+    fn step_meta<'a>(
+        &self,
+        positions: &'a [usize],
+        spans: &'a [SeqSpan<'a>],
+    ) -> Result<Self::StepMeta<'a>>;
     /// `out[t] = table[ids[t]]` (rows of an embedding matrix, dequantized).
     fn embed(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Buffer) -> Result<()>;
     /// `out = x * w^T`: `x` is `[n, cols]`, `out` is `[n, rows]`.
-    fn matmul(&self, x: &Self::Buffer, w: &Self::Matrix, out: &mut Self::Buffer);
+    fn matmul(&self, x: &Self::Buffer, w: &Self::Matrix, out: &mut Self::Buffer) -> Result<()>;
     /// Adds `bias[cols_range]` to every row of `x[.., cols_range]`.
-    fn add_bias(&self, x: &mut Self::Buffer, bias: &Self::Vector, col_offset: usize);
+    fn add_bias(&self, x: &mut Self::Buffer, bias: &Self::Vector, col_offset: usize) -> Result<()>;
     /// Row-wise RMSNorm: `out[t] = x[t] / rms(x[t]) * w`.
-    fn rms_norm(&self, x: &Self::Buffer, w: &Self::Vector, eps: f32, out: &mut Self::Buffer);
+    fn rms_norm(
+        &self,
+        x: &Self::Buffer,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
     /// RMSNorm of each of `n_heads` heads of `head_dim` columns starting at `col_offset`, in place
     /// (Qwen3's Q/K norm).
     fn head_rms_norm(
@@ -133,16 +153,17 @@ pub trait Backend: Send + Sync {
         col_offset: usize,
         n_heads: usize,
         head_dim: usize,
-    );
-    /// Rotates `n_heads` heads starting at column `col_offset` of each row, token `t` at `positions[t]`.
+    ) -> Result<()>;
+    /// Rotates `n_heads` heads starting at column `col_offset` of each row, token `t` at the
+    /// step's `positions[t]`.
     fn rope(
         &self,
         x: &mut Self::Buffer,
         col_offset: usize,
         n_heads: usize,
-        positions: &[usize],
+        meta: &Self::StepMeta<'_>,
         spec: &RopeSpec,
-    );
+    ) -> Result<()>;
     /// Stores the K and V rows of this batch into their slots, then computes causal attention for every
     /// token of every span. `qkv` holds `[q | k | v]` per token; `out` gets `[n, n_heads * head_dim]`.
     #[allow(clippy::too_many_arguments)]
@@ -151,12 +172,12 @@ pub trait Backend: Send + Sync {
         qkv: &Self::Buffer,
         kv: &mut Self::KvStore,
         layer: usize,
-        spans: &[SeqSpan<'_>],
+        meta: &Self::StepMeta<'_>,
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,
         out: &mut Self::Buffer,
-    );
+    ) -> Result<()>;
     /// Stores the K and V rows of this batch (`qkv` holds `[q (q_width) | k | v]` per token, K
     /// and V as wide as the store's rows) into their slots, without attending: MLA's explicit
     /// prefill attends over decompressed keys but caches the latent.
@@ -165,16 +186,21 @@ pub trait Backend: Send + Sync {
         qkv: &Self::Buffer,
         kv: &mut Self::KvStore,
         layer: usize,
-        spans: &[SeqSpan<'_>],
+        meta: &Self::StepMeta<'_>,
         q_width: usize,
-    );
+    ) -> Result<()>;
     /// Moves cached K/V entries of one sequence in every layer: for each `(from, to)`, in order,
     /// position `to` gets what position `from` held (tree verification keeps the accepted path).
-    fn move_kv(&self, kv: &mut Self::KvStore, block_table: &[u32], moves: &[(usize, usize)]);
+    fn move_kv(
+        &self,
+        kv: &mut Self::KvStore,
+        block_table: &[u32],
+        moves: &[(usize, usize)],
+    ) -> Result<()>;
     /// `out[t] = silu(gu[t][..h]) * gu[t][h..]` where `gu` holds `[gate | up]`.
-    fn silu_mul(&self, gu: &Self::Buffer, out: &mut Self::Buffer);
+    fn silu_mul(&self, gu: &Self::Buffer, out: &mut Self::Buffer) -> Result<()>;
     /// `x += y`.
-    fn add(&self, x: &mut Self::Buffer, y: &Self::Buffer);
+    fn add(&self, x: &mut Self::Buffer, y: &Self::Buffer) -> Result<()>;
     /// `dst[t][dst_col..dst_col + width] = src[t][src_col..src_col + width]` for every row `t`
     /// (both buffers have the same rows; `dst` keeps its shape). MLA assembles its per-head
     /// layouts with it.
@@ -185,9 +211,15 @@ pub trait Backend: Send + Sync {
         dst: &mut Self::Buffer,
         dst_col: usize,
         width: usize,
-    );
+    ) -> Result<()>;
     /// `x[t][col..col + width] *= factor` for every row.
-    fn scale_columns(&self, x: &mut Self::Buffer, col: usize, width: usize, factor: f32);
+    fn scale_columns(
+        &self,
+        x: &mut Self::Buffer,
+        col: usize,
+        width: usize,
+        factor: f32,
+    ) -> Result<()>;
     /// `dst[rows[i]] += weights[i] * src[i]`: a routed expert's outputs added back to its tokens.
     fn scatter_add_rows(
         &self,
@@ -195,11 +227,11 @@ pub trait Backend: Send + Sync {
         rows: &[usize],
         src: &Self::Buffer,
         weights: &[f32],
-    );
+    ) -> Result<()>;
     /// Keeps only the listed rows, in order (before the LM head, which needs few of them).
-    fn gather_rows(&self, x: &Self::Buffer, rows: &[usize]) -> Self::Buffer;
+    fn gather_rows(&self, x: &Self::Buffer, rows: &[usize]) -> Result<Self::Buffer>;
     /// Copies a buffer to host f32 values.
-    fn to_host(&self, x: &Self::Buffer) -> Vec<f32>;
+    fn to_host(&self, x: &Self::Buffer) -> Result<Vec<f32>>;
     /// Sums `x` across the tensor-parallel group in place (CPU: threads; CUDA: NCCL).
     fn all_reduce_sum(
         &self,

@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use kiln::backend::cpu::simd::SimdLevel;
 use std::cell::RefCell;
 
 use kiln::doctor::allreduce::{self, AllReducePoint};
@@ -41,12 +40,7 @@ pub fn measure_allreduce(ranks: usize) -> Result<Vec<AllReducePoint>, String> {
 
 /// The CPU kernels' SIMD level, as the fingerprint names it.
 pub fn simd_name() -> String {
-    match SimdLevel::detect() {
-        SimdLevel::Scalar => "scalar",
-        SimdLevel::Avx2 => "avx2",
-        SimdLevel::Avx512Vnni => "avx512-vnni",
-    }
-    .to_string()
+    kiln::runner::device::cpu_simd_name().to_string()
 }
 
 pub fn run(a: DoctorArgs) -> anyhow::Result<()> {

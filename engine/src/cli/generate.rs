@@ -145,7 +145,7 @@ fn generate<B: Backend>(
         .config()
         .max_context
         .min(prompt_ids.len() + a.max_tokens + 1);
-    let mut seq = SingleSequence::new(&m, context);
+    let mut seq = SingleSequence::new(&m, context)?;
     let mut decoder = IncrementalDecoder::new(true);
     let mut stdout = std::io::stdout().lock();
     let mut text = String::new();

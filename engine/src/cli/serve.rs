@@ -14,33 +14,42 @@ use kiln::server::state::{Canary, LockGuard, ServeOptions};
 use kiln::speculation::{SpecConfig, SpecMethod, SpecPolicy};
 use serde::{Deserialize, Serialize};
 
-#[derive(clap::Args, Serialize, Deserialize, Default, Debug, Clone)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
-pub struct ServeArgs {
-    /// TOML file with any of these settings (keys as the flag names, e.g. `max-running = 32`).
+/// The flags that are not settings of a served configuration: where settings come from
+/// (`--config`, `--lock`) and how a lock is checked. Never in a TOML file or a lock.
+#[derive(clap::Args, Default, Debug, Clone)]
+pub struct SourceArgs {
+    /// TOML file with any of the settings below (keys as the flag names, e.g. `max-running = 32`).
     #[arg(long)]
-    #[serde(skip)]
     config: Option<PathBuf>,
     /// Run exactly this lock (from `kiln lock create`): its model, settings and environment, after
     /// the doctor's checks against its fingerprint. Only --api-key(-file), --instance,
     /// --drift-policy, --canary and --skip-model-hash may be given with it.
     #[arg(long)]
-    #[serde(skip)]
     lock: Option<PathBuf>,
     /// With --lock, when the machine drifted from it: warn (serve; drift in the log, /metrics and
     /// /ready) or refuse (exit non-zero) [default: the lock's `drift-policy`, else warn].
     #[arg(long, value_enum)]
-    #[serde(skip)]
     drift_policy: Option<DriftPolicy>,
     /// With --lock, after warm-up run a short benchmark at the lock's first concurrency level
     /// and compare its output tok/s with the locked numbers (the lock's `canary-tolerance`).
     #[arg(long)]
-    #[serde(skip)]
     canary: bool,
     /// With --lock, compare the model files' sizes but not their sha256 (for very large models).
     #[arg(long)]
-    #[serde(skip)]
     skip_model_hash: bool,
+}
+
+/// Every serve setting, defined once: each field is a flag (`--max-running`), a TOML key of
+/// `--config` files and sweep configs (`max-running`), and a key of a lock's `[serve]` table.
+/// Merging (flags over a file over [`DEFAULTS`]), the lock's effective table and the flags that
+/// conflict with `--lock` all go through the serialized form, so a new setting is one field here,
+/// its default in [`DEFAULTS`] and its use in `resolve`.
+#[derive(clap::Args, Serialize, Deserialize, Default, Debug, Clone)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ServeArgs {
+    #[command(flatten)]
+    #[serde(skip)]
+    source: SourceArgs,
     /// A .gguf file or a Hugging Face model directory [default: SmolLM2-135M-Instruct from the cache].
     #[arg(long)]
     model: Option<PathBuf>,
@@ -149,60 +158,68 @@ fn read_config(path: &Path) -> anyhow::Result<ServeArgs> {
     toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
-/// `self` with unset fields taken from `file`.
-fn merge(flags: ServeArgs, file: ServeArgs) -> ServeArgs {
-    ServeArgs {
-        config: flags.config,
-        lock: flags.lock,
-        drift_policy: flags.drift_policy,
-        canary: flags.canary,
-        skip_model_hash: flags.skip_model_hash,
-        model: flags.model.or(file.model),
-        served_model_name: flags.served_model_name.or(file.served_model_name),
-        host: flags.host.or(file.host),
-        port: flags.port.or(file.port),
-        api_key: flags.api_key.or(file.api_key),
-        api_key_file: flags.api_key_file.or(file.api_key_file),
-        mode: flags.mode.or(file.mode),
-        device: flags.device.or(file.device),
-        threads: flags.threads.or(file.threads),
-        kv_tokens: flags.kv_tokens.or(file.kv_tokens),
-        block_size: flags.block_size.or(file.block_size),
-        max_running: flags.max_running.or(file.max_running),
-        max_step_tokens: flags.max_step_tokens.or(file.max_step_tokens),
-        max_model_len: flags.max_model_len.or(file.max_model_len),
-        max_queue: flags.max_queue.or(file.max_queue),
-        max_body_bytes: flags.max_body_bytes.or(file.max_body_bytes),
-        max_n: flags.max_n.or(file.max_n),
-        tensor_parallel_size: flags.tensor_parallel_size.or(file.tensor_parallel_size),
-        shutdown_timeout: flags.shutdown_timeout.or(file.shutdown_timeout),
-        instance: flags.instance.or(file.instance),
-        no_overlap: flags.no_overlap || file.no_overlap,
-        speculative_algorithm: flags.speculative_algorithm.or(file.speculative_algorithm),
-        speculative_draft_model_path: flags
-            .speculative_draft_model_path
-            .or(file.speculative_draft_model_path),
-        speculative_num_steps: flags.speculative_num_steps.or(file.speculative_num_steps),
-        speculative_policy: flags.speculative_policy.or(file.speculative_policy),
-        speculative_eagle_topk: flags.speculative_eagle_topk.or(file.speculative_eagle_topk),
-        speculative_num_draft_tokens: flags
-            .speculative_num_draft_tokens
-            .or(file.speculative_num_draft_tokens),
-        speculative_ngram_min: flags.speculative_ngram_min.or(file.speculative_ngram_min),
-        speculative_ngram_max: flags.speculative_ngram_max.or(file.speculative_ngram_max),
-        cache_dir: flags.cache_dir.or(file.cache_dir),
+/// The default of every setting that has a fixed one (the model, threads, `max-model-len` and
+/// the tree's token count are worked out in `resolve`). The one place defaults are written.
+const DEFAULTS: &str = r#"
+host = "127.0.0.1"
+port = 8000
+mode = "fast"
+device = "cpu"
+kv-tokens = 32768
+block-size = 16
+max-running = 64
+max-step-tokens = 512
+max-queue = 256
+max-body-bytes = 4194304
+max-n = 16
+tensor-parallel-size = 1
+shutdown-timeout = 30
+speculative-algorithm = "none"
+speculative-num-steps = 3
+speculative-policy = "adaptive"
+speculative-eagle-topk = 1
+speculative-ngram-min = 1
+speculative-ngram-max = 3
+"#;
+
+/// Settings only the host gives, never a configuration: they may accompany `--lock`, and a lock
+/// does not store them.
+const HOST_KEYS: [&str; 3] = ["api-key", "api-key-file", "instance"];
+
+fn defaults() -> anyhow::Result<ServeArgs> {
+    toml::from_str(DEFAULTS).context("kiln's built-in serve defaults")
+}
+
+fn table(a: &ServeArgs) -> anyhow::Result<toml::Table> {
+    toml::Table::try_from(a).context("rendering the serve settings")
+}
+
+impl ServeArgs {
+    /// `self` with every setting it leaves unset taken from `under` (flags over a file, a file
+    /// over the defaults); the source flags stay `self`'s.
+    fn over(self, under: &ServeArgs) -> anyhow::Result<ServeArgs> {
+        let mut t = table(under)?;
+        t.extend(table(&self)?);
+        let mut merged = from_table(&t, "the merged serve settings")?;
+        merged.source = self.source;
+        Ok(merged)
     }
 }
 
-fn positive(name: &str, v: Option<usize>, default: usize) -> anyhow::Result<usize> {
-    match v {
-        Some(0) => anyhow::bail!("--{name} must be at least 1"),
-        Some(x) => Ok(x),
-        None => Ok(default),
+/// A setting [`DEFAULTS`] fills, after `--name`'s own check.
+fn given<T>(name: &str, v: Option<T>) -> anyhow::Result<T> {
+    v.with_context(|| format!("--{name} has no value and no default"))
+}
+
+fn positive(name: &str, v: Option<usize>) -> anyhow::Result<usize> {
+    match given(name, v)? {
+        0 => anyhow::bail!("--{name} must be at least 1"),
+        x => Ok(x),
     }
 }
 
 fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
+    let a = a.over(&defaults()?)?;
     let model_path = match &a.model {
         Some(p) => p.clone(),
         None => DEFAULT_MODEL.require(&super::cache_dir(a.cache_dir.clone()))?,
@@ -226,34 +243,21 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
     if let Some(k) = &api_key {
         anyhow::ensure!(!k.is_empty(), "--api-key must not be empty");
     }
-    let host = a.host.clone().unwrap_or_else(|| "127.0.0.1".into());
-    let port = a.port.unwrap_or(8000);
-    let block_size = positive("block-size", a.block_size, 16)?;
-    let kv_tokens = positive("kv-tokens", a.kv_tokens, 32768)?;
+    let host = given("host", a.host.clone())?;
+    let port = given("port", a.port)?;
+    let block_size = positive("block-size", a.block_size)?;
+    let kv_tokens = positive("kv-tokens", a.kv_tokens)?;
     anyhow::ensure!(
         kv_tokens >= block_size,
         "--kv-tokens ({kv_tokens}) must hold at least one block ({block_size})"
     );
-    let defaults = SpecConfig::default();
     let spec = SpecConfig {
-        method: a.speculative_algorithm.unwrap_or_default(),
-        num_steps: positive(
-            "speculative-num-steps",
-            a.speculative_num_steps,
-            defaults.num_steps,
-        )?,
-        ngram_min: positive(
-            "speculative-ngram-min",
-            a.speculative_ngram_min,
-            defaults.ngram_min,
-        )?,
-        ngram_max: positive(
-            "speculative-ngram-max",
-            a.speculative_ngram_max,
-            defaults.ngram_max,
-        )?,
-        adaptive: a.speculative_policy.unwrap_or_default() == SpecPolicy::Adaptive,
-        topk: positive("speculative-eagle-topk", a.speculative_eagle_topk, 1)?,
+        method: given("speculative-algorithm", a.speculative_algorithm)?,
+        num_steps: positive("speculative-num-steps", a.speculative_num_steps)?,
+        ngram_min: positive("speculative-ngram-min", a.speculative_ngram_min)?,
+        ngram_max: positive("speculative-ngram-max", a.speculative_ngram_max)?,
+        adaptive: given("speculative-policy", a.speculative_policy)? == SpecPolicy::Adaptive,
+        topk: positive("speculative-eagle-topk", a.speculative_eagle_topk)?,
         num_draft_tokens: 0,
     };
     let mut spec = spec;
@@ -290,7 +294,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
             spec.num_steps
         );
         anyhow::ensure!(
-            a.tensor_parallel_size.unwrap_or(1) == 1,
+            a.tensor_parallel_size == Some(1),
             "--speculative-eagle-topk > 1 (tree speculation) runs with --tensor-parallel-size 1 \
              only; chain speculation (topk 1) runs with tensor parallelism"
         );
@@ -333,19 +337,19 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         host,
         port,
         api_key,
-        precision: a.mode.unwrap_or_default(),
-        device: a.device.unwrap_or_default(),
+        precision: given("mode", a.mode)?,
+        device: given("device", a.device)?,
         threads: a.threads,
         kv_tokens,
         block_size,
-        max_running: positive("max-running", a.max_running, 64)?,
-        max_step_tokens: positive("max-step-tokens", a.max_step_tokens, 512)?,
+        max_running: positive("max-running", a.max_running)?,
+        max_step_tokens: positive("max-step-tokens", a.max_step_tokens)?,
         max_model_len: a.max_model_len,
-        max_queue: positive("max-queue", a.max_queue, 256)?,
-        max_body_bytes: positive("max-body-bytes", a.max_body_bytes, 4 << 20)?,
-        max_n: positive("max-n", a.max_n, 16)?,
-        tensor_parallel: positive("tensor-parallel-size", a.tensor_parallel_size, 1)?,
-        shutdown_timeout: Duration::from_secs(a.shutdown_timeout.unwrap_or(30)),
+        max_queue: positive("max-queue", a.max_queue)?,
+        max_body_bytes: positive("max-body-bytes", a.max_body_bytes)?,
+        max_n: positive("max-n", a.max_n)?,
+        tensor_parallel: positive("tensor-parallel-size", a.tensor_parallel_size)?,
+        shutdown_timeout: Duration::from_secs(given("shutdown-timeout", a.shutdown_timeout)?),
         overlap: !a.no_overlap,
         spec,
         draft_model: a.speculative_draft_model_path.clone(),
@@ -365,91 +369,42 @@ pub fn from_table(table: &toml::Table, source: &str) -> anyhow::Result<ServeArgs
 /// (a secret), the metrics `instance` label and the cache directory are the host's, not the
 /// configuration's, and stay out.
 pub fn effective_table(args: ServeArgs) -> anyhow::Result<toml::Table> {
-    let served_model_name = args.served_model_name.clone();
-    let mut args = args;
-    args.api_key = None;
-    args.api_key_file = None;
-    let o = resolve(args)?;
-    let all_cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let filled = ServeArgs {
-        model: Some(o.model_path.clone()),
-        served_model_name,
-        host: Some(o.host.clone()),
-        port: Some(o.port),
-        mode: Some(o.precision),
-        device: Some(o.device),
-        threads: Some(o.threads.unwrap_or(all_cores)),
-        kv_tokens: Some(o.kv_tokens),
-        block_size: Some(o.block_size),
-        max_running: Some(o.max_running),
-        max_step_tokens: Some(o.max_step_tokens),
-        max_model_len: o.max_model_len,
-        max_queue: Some(o.max_queue),
-        max_body_bytes: Some(o.max_body_bytes),
-        max_n: Some(o.max_n),
-        tensor_parallel_size: Some(o.tensor_parallel),
-        shutdown_timeout: Some(o.shutdown_timeout.as_secs()),
-        no_overlap: !o.overlap,
-        speculative_algorithm: Some(o.spec.method),
-        speculative_draft_model_path: o.draft_model.clone(),
-        speculative_num_steps: Some(o.spec.num_steps),
-        speculative_policy: Some(if o.spec.adaptive {
-            SpecPolicy::Adaptive
-        } else {
-            SpecPolicy::Fixed
-        }),
-        speculative_ngram_min: Some(o.spec.ngram_min),
-        speculative_ngram_max: Some(o.spec.ngram_max),
-        speculative_eagle_topk: Some(o.spec.topk),
-        speculative_num_draft_tokens: Some(o.spec.num_draft_tokens),
-        ..Default::default()
-    };
-    toml::Table::try_from(&filled).context("rendering the settings")
+    let o = resolve(args.clone())?;
+    let mut filled = args.over(&defaults()?)?;
+    // The settings `resolve` works out rather than defaults.
+    filled.model = Some(o.model_path.clone());
+    filled.threads = Some(o.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    }));
+    filled.speculative_num_draft_tokens = Some(o.spec.num_draft_tokens);
+    let mut t = table(&filled)?;
+    for key in HOST_KEYS.iter().chain(&["cache-dir"]) {
+        t.remove(*key);
+    }
+    Ok(t)
 }
 
-/// The flags that may accompany --lock: secrets, the metrics label and the lock's own options.
-fn lock_conflicts(f: &ServeArgs) -> Vec<&'static str> {
-    let mut c = Vec::new();
-    let mut flag = |set: bool, name: &'static str| {
-        if set {
-            c.push(name);
-        }
-    };
-    flag(f.config.is_some(), "--config");
-    flag(f.model.is_some(), "--model");
-    flag(f.served_model_name.is_some(), "--served-model-name");
-    flag(f.host.is_some(), "--host");
-    flag(f.port.is_some(), "--port");
-    flag(f.mode.is_some(), "--mode");
-    flag(f.device.is_some(), "--device");
-    flag(f.threads.is_some(), "--threads");
-    flag(f.kv_tokens.is_some(), "--kv-tokens");
-    flag(f.block_size.is_some(), "--block-size");
-    flag(f.max_running.is_some(), "--max-running");
-    flag(f.max_step_tokens.is_some(), "--max-step-tokens");
-    flag(f.max_model_len.is_some(), "--max-model-len");
-    flag(f.max_queue.is_some(), "--max-queue");
-    flag(f.max_body_bytes.is_some(), "--max-body-bytes");
-    flag(f.max_n.is_some(), "--max-n");
-    flag(f.tensor_parallel_size.is_some(), "--tensor-parallel-size");
-    flag(f.shutdown_timeout.is_some(), "--shutdown-timeout");
-    flag(f.no_overlap, "--no-overlap");
-    flag(f.speculative_algorithm.is_some(), "--speculative-algorithm");
-    flag(f.speculative_num_steps.is_some(), "--speculative-num-steps");
-    flag(f.speculative_policy.is_some(), "--speculative-policy");
-    flag(f.speculative_ngram_min.is_some(), "--speculative-ngram-min");
-    flag(f.speculative_ngram_max.is_some(), "--speculative-ngram-max");
-    flag(f.cache_dir.is_some(), "--cache-dir");
-    c
+/// The flags that may not accompany --lock: every setting the flags give except the host's
+/// own, and --config.
+fn lock_conflicts(f: &ServeArgs) -> anyhow::Result<Vec<String>> {
+    let mut c: Vec<String> = table(f)?
+        .keys()
+        .filter(|k| !HOST_KEYS.contains(&k.as_str()))
+        .map(|k| format!("--{k}"))
+        .collect();
+    if f.source.config.is_some() {
+        c.insert(0, "--config".into());
+    }
+    Ok(c)
 }
 
 /// `--lock`: the lock's settings plus the host's secrets, the environment exported, and the
 /// doctor's verdict (refusing to start on drift when the policy says so).
 fn locked(flags: ServeArgs, path: &Path) -> anyhow::Result<(ServeArgs, LockGuard)> {
     let lock = kiln::lock::Lock::read(path).map_err(|e| anyhow::anyhow!(e))?;
-    let conflicts = lock_conflicts(&flags);
+    let conflicts = lock_conflicts(&flags)?;
     anyhow::ensure!(
         conflicts.is_empty(),
         "--lock {} runs exactly the locked settings; remove {} (or re-lock with them)",
@@ -478,11 +433,11 @@ fn locked(flags: ServeArgs, path: &Path) -> anyhow::Result<(ServeArgs, LockGuard
         &kiln::doctor::DoctorOptions {
             lock: Some(&lock),
             simd: &super::doctor::simd_name(),
-            hash_models: !flags.skip_model_hash,
+            hash_models: !flags.source.skip_model_hash,
             allreduce: None,
         },
     );
-    let policy = flags.drift_policy.unwrap_or(lock.lock.drift_policy);
+    let policy = flags.source.drift_policy.unwrap_or(lock.lock.drift_policy);
     let bad: Vec<kiln::doctor::Check> = checks
         .iter()
         .filter(|c| c.status == kiln::doctor::Status::Fail)
@@ -497,7 +452,7 @@ fn locked(flags: ServeArgs, path: &Path) -> anyhow::Result<(ServeArgs, LockGuard
         );
         eprintln!("kiln: serving despite the drift from {shown} (drift policy: warn)");
     }
-    let canary = if flags.canary {
+    let canary = if flags.source.canary {
         let expected = lock
             .chosen_evidence()
             .and_then(|e| e.levels.first().cloned());
@@ -525,7 +480,7 @@ fn locked(flags: ServeArgs, path: &Path) -> anyhow::Result<(ServeArgs, LockGuard
 }
 
 pub fn run(flags: ServeArgs) -> anyhow::Result<()> {
-    let (args, guard) = match (&flags.lock, &flags.config) {
+    let (args, guard) = match (&flags.source.lock, &flags.source.config) {
         (Some(path), _) => {
             let path = path.clone();
             let (a, g) = locked(flags, &path)?;
@@ -533,11 +488,13 @@ pub fn run(flags: ServeArgs) -> anyhow::Result<()> {
         }
         (None, Some(path)) => {
             let file = read_config(path)?;
-            (merge(flags.clone(), file), None)
+            (flags.clone().over(&file)?, None)
         }
         (None, None) => {
             anyhow::ensure!(
-                flags.drift_policy.is_none() && !flags.canary && !flags.skip_model_hash,
+                flags.source.drift_policy.is_none()
+                    && !flags.source.canary
+                    && !flags.source.skip_model_hash,
                 "--drift-policy, --canary and --skip-model-hash go with --lock"
             );
             (flags, None)
@@ -572,11 +529,67 @@ mod tests {
             port: Some(9100),
             ..Default::default()
         };
-        let m = merge(flags, file);
+        let m = flags.over(&file).expect("merge");
         assert_eq!(m.port, Some(9100));
         assert_eq!(m.max_running, Some(8));
         assert_eq!(m.host.as_deref(), Some("0.0.0.0"));
         let err = toml::from_str::<ServeArgs>("max-runing = 8").expect_err("unknown key");
         assert!(err.to_string().contains("max-runing"), "{err}");
+    }
+
+    #[test]
+    fn defaults_fill_every_setting_that_has_one_and_resolve_from_them_alone() {
+        let d = defaults().expect("the built-in defaults parse as settings");
+        assert_eq!(d.port, Some(8000));
+        assert_eq!(d.device, Some(Device::Cpu));
+        let o = resolve(ServeArgs {
+            model: Some(PathBuf::from("/m.gguf")),
+            ..Default::default()
+        })
+        .expect("resolve");
+        assert_eq!(
+            (o.host.as_str(), o.port, o.kv_tokens),
+            ("127.0.0.1", 8000, 32768)
+        );
+        assert_eq!(o.spec.num_draft_tokens, o.spec.num_steps + 1);
+    }
+
+    #[test]
+    fn every_configuration_setting_conflicts_with_a_lock_and_the_host_s_own_do_not() {
+        let file: ServeArgs = toml::from_str(
+            "port = 9000\nmax-running = 8\nspeculative-draft-model-path = \"/d\"\n\
+             api-key = \"k\"\ninstance = \"i\"\ndevice = \"cpu\"",
+        )
+        .expect("parse");
+        let mut c = lock_conflicts(&file).expect("conflicts");
+        c.sort();
+        let want = [
+            "--device",
+            "--max-running",
+            "--port",
+            "--speculative-draft-model-path",
+        ];
+        assert_eq!(c, want);
+    }
+
+    #[test]
+    fn the_effective_table_holds_every_default_and_no_host_secret() {
+        let args: ServeArgs = toml::from_str(
+            "model = \"/m.gguf\"\napi-key = \"secret\"\nmax-running = 8\ncache-dir = \"/c\"",
+        )
+        .expect("parse");
+        let t = effective_table(args).expect("table");
+        let d = table(&defaults().expect("defaults")).expect("table");
+        for key in d.keys() {
+            assert!(t.contains_key(key), "{key} missing from {t:?}");
+        }
+        assert_eq!(t.get("max-running").and_then(|v| v.as_integer()), Some(8));
+        assert!(
+            !t.contains_key("api-key") && !t.contains_key("cache-dir"),
+            "{t:?}"
+        );
+        // What a lock stores reads back as the same settings.
+        let again = effective_table(from_table(&t, "t").expect("reads back")).expect("table");
+        assert_eq!(again, t);
     }
 }

@@ -202,21 +202,21 @@ pub struct DraftWorkspace<B: Backend> {
 }
 
 impl<B: Backend> DraftWorkspace<B> {
-    pub fn new(b: &B) -> Self {
+    pub fn new(b: &B) -> Result<Self> {
         let z = || b.buffer(0, 0);
-        DraftWorkspace {
-            h: z(),
-            tmp: z(),
-            e: z(),
-            en: z(),
-            hn: z(),
-            qkv: z(),
-            attn: z(),
-            x: z(),
-            normed: z(),
-            gate_up: z(),
-            act: z(),
-        }
+        Ok(DraftWorkspace {
+            h: z()?,
+            tmp: z()?,
+            e: z()?,
+            en: z()?,
+            hn: z()?,
+            qkv: z()?,
+            attn: z()?,
+            x: z()?,
+            normed: z()?,
+            gate_up: z()?,
+            act: z()?,
+        })
     }
 }
 
@@ -442,55 +442,56 @@ impl<B: Backend> Eagle3Draft<B> {
                 }
                 for (i, (x, w)) in aux.iter().zip(&self.fc).enumerate() {
                     if i == 0 {
-                        backend.matmul(x, w, &mut ws.h);
+                        backend.matmul(x, w, &mut ws.h)?;
                     } else {
-                        backend.matmul(x, w, &mut ws.tmp);
-                        backend.add(&mut ws.h, &ws.tmp);
+                        backend.matmul(x, w, &mut ws.tmp)?;
+                        backend.add(&mut ws.h, &ws.tmp)?;
                     }
                 }
             }
-            DraftInput::Own(x) => ws.h = backend.gather_rows(x, &all),
+            DraftInput::Own(x) => ws.h = backend.gather_rows(x, &all)?,
         }
         backend.embed(
             self.embed.as_ref().unwrap_or(target_embed),
             tokens,
             &mut ws.e,
         )?;
-        backend.rms_norm(&ws.e, &self.input_norm, eps, &mut ws.en);
-        backend.rms_norm(&ws.h, &self.hidden_norm, eps, &mut ws.hn);
-        backend.matmul(&ws.en, &self.qkv_embed, &mut ws.qkv);
-        backend.matmul(&ws.hn, &self.qkv_hidden, &mut ws.tmp);
-        backend.add(&mut ws.qkv, &ws.tmp);
+        backend.rms_norm(&ws.e, &self.input_norm, eps, &mut ws.en)?;
+        backend.rms_norm(&ws.h, &self.hidden_norm, eps, &mut ws.hn)?;
+        backend.matmul(&ws.en, &self.qkv_embed, &mut ws.qkv)?;
+        backend.matmul(&ws.hn, &self.qkv_hidden, &mut ws.tmp)?;
+        backend.add(&mut ws.qkv, &ws.tmp)?;
         let q_width = c.q_width();
-        backend.rope(&mut ws.qkv, 0, c.n_heads, positions, &self.rope);
-        backend.rope(&mut ws.qkv, q_width, c.n_kv_heads, positions, &self.rope);
+        let meta = backend.step_meta(positions, spans)?;
+        backend.rope(&mut ws.qkv, 0, c.n_heads, &meta, &self.rope)?;
+        backend.rope(&mut ws.qkv, q_width, c.n_kv_heads, &meta, &self.rope)?;
         backend.attention(
             &ws.qkv,
             kv,
             0,
-            spans,
+            &meta,
             c.n_heads,
             c.n_kv_heads,
             c.head_dim,
             &mut ws.attn,
-        );
-        backend.matmul(&ws.attn, &self.o, &mut ws.tmp);
+        )?;
+        backend.matmul(&ws.attn, &self.o, &mut ws.tmp)?;
         ws.x = if self.config.norm_before_residual {
-            backend.gather_rows(&ws.hn, &all)
+            backend.gather_rows(&ws.hn, &all)?
         } else {
-            backend.gather_rows(&ws.h, &all)
+            backend.gather_rows(&ws.h, &all)?
         };
-        backend.add(&mut ws.x, &ws.tmp);
-        backend.rms_norm(&ws.x, &self.post_norm, eps, &mut ws.normed);
-        backend.matmul(&ws.normed, &self.gate_up, &mut ws.gate_up);
-        backend.silu_mul(&ws.gate_up, &mut ws.act);
-        backend.matmul(&ws.act, &self.down, &mut ws.tmp);
-        backend.add(&mut ws.x, &ws.tmp);
-        let hidden = backend.gather_rows(&ws.x, rows);
-        backend.rms_norm(&hidden, &self.norm, eps, &mut ws.normed);
-        backend.matmul(&ws.normed, &self.lm_head, &mut ws.tmp);
+        backend.add(&mut ws.x, &ws.tmp)?;
+        backend.rms_norm(&ws.x, &self.post_norm, eps, &mut ws.normed)?;
+        backend.matmul(&ws.normed, &self.gate_up, &mut ws.gate_up)?;
+        backend.silu_mul(&ws.gate_up, &mut ws.act)?;
+        backend.matmul(&ws.act, &self.down, &mut ws.tmp)?;
+        backend.add(&mut ws.x, &ws.tmp)?;
+        let hidden = backend.gather_rows(&ws.x, rows)?;
+        backend.rms_norm(&hidden, &self.norm, eps, &mut ws.normed)?;
+        backend.matmul(&ws.normed, &self.lm_head, &mut ws.tmp)?;
         Ok(DraftOutput {
-            logits: backend.to_host(&ws.tmp),
+            logits: backend.to_host(&ws.tmp)?,
             hidden,
         })
     }

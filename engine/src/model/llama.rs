@@ -88,18 +88,18 @@ pub struct Workspace<B: Backend> {
 }
 
 impl<B: Backend> Workspace<B> {
-    pub fn new(backend: &B) -> Self {
-        Workspace {
-            x: backend.buffer(0, 0),
-            h: backend.buffer(0, 0),
-            qkv: backend.buffer(0, 0),
-            attn: backend.buffer(0, 0),
-            proj: backend.buffer(0, 0),
-            gate_up: backend.buffer(0, 0),
-            act: backend.buffer(0, 0),
+    pub fn new(backend: &B) -> Result<Self> {
+        Ok(Workspace {
+            x: backend.buffer(0, 0)?,
+            h: backend.buffer(0, 0)?,
+            qkv: backend.buffer(0, 0)?,
+            attn: backend.buffer(0, 0)?,
+            proj: backend.buffer(0, 0)?,
+            gate_up: backend.buffer(0, 0)?,
+            act: backend.buffer(0, 0)?,
             capture_layers: Vec::new(),
             captured: Vec::new(),
-        }
+        })
     }
 }
 
@@ -524,6 +524,30 @@ impl<B: Backend> Llama<B> {
         MoeWeights::new(backend, get(&n("router"), &[e, h])?, bias, experts, shared)
     }
 
+    /// A workspace sized up front for steps of up to `max_tokens` tokens: every activation buffer
+    /// of the dense path at its full width, so the steps that follow reuse them instead of growing
+    /// them (a device backend cannot afford an allocation per op). Only the LM head's logits rows
+    /// grow `proj` past its size, once, at the first step that samples that many rows.
+    pub fn workspace(&self, backend: &B, max_tokens: usize) -> Result<Workspace<B>> {
+        let c = &self.config;
+        let (q, kv) = (
+            self.local_heads * c.head_dim,
+            self.local_kv_heads * c.head_dim,
+        );
+        let ffn = c.intermediate_size;
+        Ok(Workspace {
+            x: backend.buffer(max_tokens, c.hidden_size)?,
+            h: backend.buffer(max_tokens, c.hidden_size)?,
+            qkv: backend.buffer(max_tokens, q + 2 * kv)?,
+            attn: backend.buffer(max_tokens, q)?,
+            proj: backend.buffer(max_tokens, c.hidden_size)?,
+            gate_up: backend.buffer(max_tokens, 2 * ffn)?,
+            act: backend.buffer(max_tokens, ffn)?,
+            capture_layers: Vec::new(),
+            captured: Vec::new(),
+        })
+    }
+
     /// The KV width this rank stores per token (all KV heads without tensor parallelism).
     pub fn local_kv_width(&self) -> usize {
         self.local_kv_heads * self.config.head_dim
@@ -581,27 +605,30 @@ impl<B: Backend> Llama<B> {
         };
         ws.captured = (0..ws.capture_layers.len())
             .map(|_| backend.buffer(0, 0))
-            .collect();
+            .collect::<Result<_>>()?;
         let all_rows: Vec<usize> = if ws.capture_layers.is_empty() {
             Vec::new()
         } else {
             (0..n).collect()
         };
-        let capture = |ws: &mut Workspace<B>, layer: usize| {
+        let capture = |ws: &mut Workspace<B>, layer: usize| -> Result<()> {
             for j in 0..ws.capture_layers.len() {
                 if ws.capture_layers[j] == layer {
-                    ws.captured[j] = backend.gather_rows(&ws.x, &all_rows);
+                    ws.captured[j] = backend.gather_rows(&ws.x, &all_rows)?;
                 }
             }
+            Ok(())
         };
+        // Positions, spans, block tables and tree masks reach the backend once for all layers.
+        let meta = backend.step_meta(batch.positions, batch.spans)?;
         for (li, l) in self.layers.iter().enumerate() {
-            capture(ws, li);
-            backend.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, &mut ws.h);
+            capture(ws, li)?;
+            backend.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, &mut ws.h)?;
             match &l.attention {
                 Attention::Gqa(g) => {
-                    backend.matmul(&ws.h, &g.qkv, &mut ws.qkv);
+                    backend.matmul(&ws.h, &g.qkv, &mut ws.qkv)?;
                     if let Some(b) = &g.qkv_bias {
-                        backend.add_bias(&mut ws.qkv, b, 0);
+                        backend.add_bias(&mut ws.qkv, b, 0)?;
                     }
                     if let (Some(qn), Some(kn)) = (&g.q_norm, &g.k_norm) {
                         backend.head_rms_norm(
@@ -611,7 +638,7 @@ impl<B: Backend> Llama<B> {
                             0,
                             n_heads,
                             c.head_dim,
-                        );
+                        )?;
                         backend.head_rms_norm(
                             &mut ws.qkv,
                             kn,
@@ -619,27 +646,21 @@ impl<B: Backend> Llama<B> {
                             q_width,
                             n_kv_heads,
                             c.head_dim,
-                        );
+                        )?;
                     }
-                    backend.rope(&mut ws.qkv, 0, n_heads, batch.positions, &self.rope);
-                    backend.rope(
-                        &mut ws.qkv,
-                        q_width,
-                        n_kv_heads,
-                        batch.positions,
-                        &self.rope,
-                    );
+                    backend.rope(&mut ws.qkv, 0, n_heads, &meta, &self.rope)?;
+                    backend.rope(&mut ws.qkv, q_width, n_kv_heads, &meta, &self.rope)?;
                     backend.attention(
                         &ws.qkv,
                         kv,
                         li,
-                        batch.spans,
+                        &meta,
                         n_heads,
                         n_kv_heads,
                         c.head_dim,
                         &mut ws.attn,
-                    );
-                    backend.matmul(&ws.attn, &g.o, &mut ws.proj);
+                    )?;
+                    backend.matmul(&ws.attn, &g.o, &mut ws.proj)?;
                 }
                 Attention::Mla(m) => {
                     let mla = c.mla.as_ref().ok_or_else(|| {
@@ -655,39 +676,40 @@ impl<B: Backend> Llama<B> {
                         kv,
                         li,
                         batch.spans,
+                        &meta,
                         self.mla_form,
                         &mut ws.proj,
-                    );
+                    )?;
                 }
             }
             reduce(ws)?;
-            backend.add(&mut ws.x, &ws.proj);
-            backend.rms_norm(&ws.x, &l.ffn_norm, c.rms_norm_eps, &mut ws.h);
+            backend.add(&mut ws.x, &ws.proj)?;
+            backend.rms_norm(&ws.x, &l.ffn_norm, c.rms_norm_eps, &mut ws.h)?;
             match &l.ffn {
                 FeedForward::Dense(mlp) => {
-                    mlp.forward(backend, &ws.h, &mut ws.gate_up, &mut ws.act, &mut ws.proj)
+                    mlp.forward(backend, &ws.h, &mut ws.gate_up, &mut ws.act, &mut ws.proj)?
                 }
                 FeedForward::Moe(moe) => {
                     let cfg = c.moe.as_ref().ok_or_else(|| {
                         Error::InvalidRequest("a MoE layer without a MoE config".into())
                     })?;
-                    moe.forward(backend, cfg, &ws.h, n, c.hidden_size, &mut ws.proj);
+                    moe.forward(backend, cfg, &ws.h, n, c.hidden_size, &mut ws.proj)?;
                 }
             }
             reduce(ws)?;
-            backend.add(&mut ws.x, &ws.proj);
+            backend.add(&mut ws.x, &ws.proj)?;
         }
         // Layer id `n_layers` is the model's output after the final norm, as transformers'
         // `hidden_states[n_layers]` (what EAGLE-3 trainers read) holds it.
         for j in 0..ws.capture_layers.len() {
             if ws.capture_layers[j] == self.layers.len() {
-                backend.rms_norm(&ws.x, &self.final_norm, c.rms_norm_eps, &mut ws.captured[j]);
+                backend.rms_norm(&ws.x, &self.final_norm, c.rms_norm_eps, &mut ws.captured[j])?;
             }
         }
-        let last = backend.gather_rows(&ws.x, batch.logit_rows);
-        backend.rms_norm(&last, &self.final_norm, c.rms_norm_eps, &mut ws.h);
+        let last = backend.gather_rows(&ws.x, batch.logit_rows)?;
+        backend.rms_norm(&last, &self.final_norm, c.rms_norm_eps, &mut ws.h)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        backend.matmul(&ws.h, head, &mut ws.proj);
-        Ok(backend.to_host(&ws.proj))
+        backend.matmul(&ws.h, head, &mut ws.proj)?;
+        backend.to_host(&ws.proj)
     }
 }

@@ -178,9 +178,10 @@ impl<B: Backend> MlaWeights<B> {
         kv: &mut B::KvStore,
         layer: usize,
         spans: &[SeqSpan<'_>],
+        meta: &B::StepMeta<'_>,
         form: MlaForm,
         out: &mut B::Buffer,
-    ) {
+    ) -> Result<()> {
         let n = positions.len();
         let n_heads = self.uk.len();
         let (r, p, nope, v) = (
@@ -191,37 +192,37 @@ impl<B: Backend> MlaWeights<B> {
         );
         let head = p + r;
         let q_head = nope + p;
-        let mut q = backend.buffer(0, 0);
+        let mut q = backend.buffer(0, 0)?;
         match &self.q {
-            QueryProj::Direct(w) => backend.matmul(h, w, &mut q),
+            QueryProj::Direct(w) => backend.matmul(h, w, &mut q)?,
             QueryProj::LowRank { a, norm, b } => {
-                let (mut qa, mut qn) = (backend.buffer(0, 0), backend.buffer(0, 0));
-                backend.matmul(h, a, &mut qa);
-                backend.rms_norm(&qa, norm, eps, &mut qn);
-                backend.matmul(&qn, b, &mut q);
+                let (mut qa, mut qn) = (backend.buffer(0, 0)?, backend.buffer(0, 0)?);
+                backend.matmul(h, a, &mut qa)?;
+                backend.rms_norm(&qa, norm, eps, &mut qn)?;
+                backend.matmul(&qn, b, &mut q)?;
             }
         }
-        let mut ckv = backend.buffer(0, 0);
-        backend.matmul(h, &self.kv_a, &mut ckv);
-        let mut latent = backend.buffer(n, r);
-        backend.copy_columns(&ckv, 0, &mut latent, 0, r);
-        let mut latent_normed = backend.buffer(0, 0);
-        backend.rms_norm(&latent, &self.kv_a_norm, eps, &mut latent_normed);
+        let mut ckv = backend.buffer(0, 0)?;
+        backend.matmul(h, &self.kv_a, &mut ckv)?;
+        let mut latent = backend.buffer(n, r)?;
+        backend.copy_columns(&ckv, 0, &mut latent, 0, r)?;
+        let mut latent_normed = backend.buffer(0, 0)?;
+        backend.rms_norm(&latent, &self.kv_a_norm, eps, &mut latent_normed)?;
 
         // [q heads of (pe | latent) | k = (pe | latent) | v = (0 | latent)]; the queries are
         // filled in only for the absorbed form, after the form is chosen.
         let q_width = n_heads * head;
-        let mut qkv = backend.buffer(n, q_width + 2 * head);
-        backend.copy_columns(&ckv, r, &mut qkv, q_width, p);
-        backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + p, r);
-        backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + head + p, r);
-        backend.rope(&mut qkv, q_width, 1, positions, rope);
+        let mut qkv = backend.buffer(n, q_width + 2 * head)?;
+        backend.copy_columns(&ckv, r, &mut qkv, q_width, p)?;
+        backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + p, r)?;
+        backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + head + p, r)?;
+        backend.rope(&mut qkv, q_width, 1, meta, rope)?;
         let fresh = spans
             .iter()
             .all(|s| s.start_pos == 0 && s.tree.is_none() && s.n_tokens > 1);
         let explicit = form == MlaForm::Auto && fresh && v <= q_head;
         if explicit {
-            backend.store_kv(&qkv, kv, layer, spans, q_width);
+            backend.store_kv(&qkv, kv, layer, meta, q_width)?;
             let values = self.explicit(
                 backend,
                 m,
@@ -232,32 +233,33 @@ impl<B: Backend> MlaWeights<B> {
                 q_width,
                 positions,
                 spans,
-            );
-            backend.matmul(&values, &self.o, out);
-            return;
+            )?;
+            backend.matmul(&values, &self.o, out)?;
+            return Ok(());
         }
-        let (mut q_nope, mut q_latent) = (backend.buffer(n, nope), backend.buffer(0, 0));
+        let (mut q_nope, mut q_latent) = (backend.buffer(n, nope)?, backend.buffer(0, 0)?);
         for (i, uk) in self.uk.iter().enumerate() {
-            backend.copy_columns(&q, i * q_head + nope, &mut qkv, i * head, p);
-            backend.copy_columns(&q, i * q_head, &mut q_nope, 0, nope);
-            backend.matmul(&q_nope, uk, &mut q_latent);
-            backend.copy_columns(&q_latent, 0, &mut qkv, i * head + p, r);
+            backend.copy_columns(&q, i * q_head + nope, &mut qkv, i * head, p)?;
+            backend.copy_columns(&q, i * q_head, &mut q_nope, 0, nope)?;
+            backend.matmul(&q_nope, uk, &mut q_latent)?;
+            backend.copy_columns(&q_latent, 0, &mut qkv, i * head + p, r)?;
         }
-        backend.rope(&mut qkv, 0, n_heads, positions, rope);
+        backend.rope(&mut qkv, 0, n_heads, meta, rope)?;
         // The attention op scales by 1/sqrt(head width); MLA's scale is over the uncompressed
         // query width (and YaRN's mscale).
-        backend.scale_columns(&mut qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt());
-        let mut attn = backend.buffer(0, 0);
-        backend.attention(&qkv, kv, layer, spans, n_heads, 1, head, &mut attn);
+        backend.scale_columns(&mut qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt())?;
+        let mut attn = backend.buffer(0, 0)?;
+        backend.attention(&qkv, kv, layer, meta, n_heads, 1, head, &mut attn)?;
 
-        let mut values = backend.buffer(n, n_heads * v);
-        let (mut head_latent, mut head_value) = (backend.buffer(n, r), backend.buffer(0, 0));
+        let mut values = backend.buffer(n, n_heads * v)?;
+        let (mut head_latent, mut head_value) = (backend.buffer(n, r)?, backend.buffer(0, 0)?);
         for (i, uv) in self.uv.iter().enumerate() {
-            backend.copy_columns(&attn, i * head + p, &mut head_latent, 0, r);
-            backend.matmul(&head_latent, uv, &mut head_value);
-            backend.copy_columns(&head_value, 0, &mut values, i * v, v);
+            backend.copy_columns(&attn, i * head + p, &mut head_latent, 0, r)?;
+            backend.matmul(&head_latent, uv, &mut head_value)?;
+            backend.copy_columns(&head_value, 0, &mut values, i * v, v)?;
         }
-        backend.matmul(&values, &self.o, out);
+        backend.matmul(&values, &self.o, out)?;
+        Ok(())
     }
 
     /// The explicit form: keys and values decompressed per head (`kv_b_proj` on the latents),
@@ -276,29 +278,27 @@ impl<B: Backend> MlaWeights<B> {
         k_col: usize,
         positions: &[usize],
         spans: &[SeqSpan<'_>],
-    ) -> B::Buffer {
+    ) -> Result<B::Buffer> {
         let n = positions.len();
         let n_heads = self.uk.len();
         let (p, nope, v) = (m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim);
         let qd = nope + p;
         let width = n_heads * qd;
-        let mut kvd = backend.buffer(0, 0);
-        backend.matmul(latent_normed, &self.kv_b, &mut kvd);
-        let mut qkv = backend.buffer(n, 3 * width);
+        let mut kvd = backend.buffer(0, 0)?;
+        backend.matmul(latent_normed, &self.kv_b, &mut kvd)?;
+        let mut qkv = backend.buffer(n, 3 * width)?;
         for i in 0..n_heads {
-            backend.copy_columns(q, i * qd + nope, &mut qkv, i * qd, p);
-            backend.copy_columns(q, i * qd, &mut qkv, i * qd + p, nope);
+            backend.copy_columns(q, i * qd + nope, &mut qkv, i * qd, p)?;
+            backend.copy_columns(q, i * qd, &mut qkv, i * qd + p, nope)?;
             // The rotary key, already rotated in the absorbed layout's K.
-            backend.copy_columns(absorbed, k_col, &mut qkv, width + i * qd, p);
-            backend.copy_columns(&kvd, i * (nope + v), &mut qkv, width + i * qd + p, nope);
-            backend.copy_columns(&kvd, i * (nope + v) + nope, &mut qkv, 2 * width + i * qd, v);
+            backend.copy_columns(absorbed, k_col, &mut qkv, width + i * qd, p)?;
+            backend.copy_columns(&kvd, i * (nope + v), &mut qkv, width + i * qd + p, nope)?;
+            backend.copy_columns(&kvd, i * (nope + v) + nope, &mut qkv, 2 * width + i * qd, v)?;
         }
         let spec = RopeSpec {
             head_dim: qd,
             ..rope.clone()
         };
-        backend.rope(&mut qkv, 0, n_heads, positions, &spec);
-        backend.scale_columns(&mut qkv, 0, width, m.softmax_scale * (qd as f32).sqrt());
         const BLOCK: usize = 16;
         let tables: Vec<Vec<u32>> = spans
             .iter()
@@ -311,7 +311,7 @@ impl<B: Backend> MlaWeights<B> {
             .collect();
         let total: usize = tables.iter().map(|t| t.len()).sum();
         // f32 whatever the mode: a per-step scratch for the decompressed keys and values.
-        let mut scratch = backend.kv_store(1, total, BLOCK, width, Precision::Exact);
+        let mut scratch = backend.kv_store(1, total, BLOCK, width, Precision::Exact)?;
         let local: Vec<SeqSpan<'_>> = spans
             .iter()
             .zip(&tables)
@@ -320,21 +320,25 @@ impl<B: Backend> MlaWeights<B> {
                 ..s.clone()
             })
             .collect();
-        let mut attn = backend.buffer(0, 0);
+        // The scratch store's own layout, for this layer's rope and attention.
+        let scratch_meta = backend.step_meta(positions, &local)?;
+        backend.rope(&mut qkv, 0, n_heads, &scratch_meta, &spec)?;
+        backend.scale_columns(&mut qkv, 0, width, m.softmax_scale * (qd as f32).sqrt())?;
+        let mut attn = backend.buffer(0, 0)?;
         backend.attention(
             &qkv,
             &mut scratch,
             0,
-            &local,
+            &scratch_meta,
             n_heads,
             n_heads,
             qd,
             &mut attn,
-        );
-        let mut values = backend.buffer(n, n_heads * v);
+        )?;
+        let mut values = backend.buffer(n, n_heads * v)?;
         for i in 0..n_heads {
-            backend.copy_columns(&attn, i * qd, &mut values, i * v, v);
+            backend.copy_columns(&attn, i * qd, &mut values, i * v, v)?;
         }
-        values
+        Ok(values)
     }
 }

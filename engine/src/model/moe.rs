@@ -40,10 +40,11 @@ impl<B: Backend> Expert<B> {
         gate_up: &mut B::Buffer,
         act: &mut B::Buffer,
         out: &mut B::Buffer,
-    ) {
-        backend.matmul(x, &self.gate_up, gate_up);
-        backend.silu_mul(gate_up, act);
-        backend.matmul(act, &self.down, out);
+    ) -> Result<()> {
+        backend.matmul(x, &self.gate_up, gate_up)?;
+        backend.silu_mul(gate_up, act)?;
+        backend.matmul(act, &self.down, out)?;
+        Ok(())
     }
 }
 
@@ -84,10 +85,10 @@ impl<B: Backend> MoeWeights<B> {
         n: usize,
         hidden: usize,
         out: &mut B::Buffer,
-    ) {
-        let mut logits = backend.buffer(0, 0);
-        backend.matmul(h, &self.router, &mut logits);
-        let logits = backend.to_host(&logits);
+    ) -> Result<()> {
+        let mut logits = backend.buffer(0, 0)?;
+        backend.matmul(h, &self.router, &mut logits)?;
+        let logits = backend.to_host(&logits)?;
         let e = cfg.n_routed_experts;
         let mut tokens: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); e];
         for t in 0..n {
@@ -97,23 +98,24 @@ impl<B: Backend> MoeWeights<B> {
             }
         }
         let (mut gu, mut act, mut y) = (
-            backend.buffer(0, 0),
-            backend.buffer(0, 0),
-            backend.buffer(0, 0),
+            backend.buffer(0, 0)?,
+            backend.buffer(0, 0)?,
+            backend.buffer(0, 0)?,
         );
         match &self.shared {
-            Some(s) => s.forward(backend, h, &mut gu, &mut act, out),
-            None => *out = backend.buffer(n, hidden),
+            Some(s) => s.forward(backend, h, &mut gu, &mut act, out)?,
+            None => *out = backend.buffer(n, hidden)?,
         }
         for (expert, (rows, weights)) in self.experts.iter().zip(&tokens) {
             let Some(expert) = expert else { continue };
             if rows.is_empty() {
                 continue;
             }
-            let x = backend.gather_rows(h, rows);
-            expert.forward(backend, &x, &mut gu, &mut act, &mut y);
-            backend.scatter_add_rows(out, rows, &y, weights);
+            let x = backend.gather_rows(h, rows)?;
+            expert.forward(backend, &x, &mut gu, &mut act, &mut y)?;
+            backend.scatter_add_rows(out, rows, &y, weights)?;
         }
+        Ok(())
     }
 }
 

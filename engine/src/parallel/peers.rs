@@ -118,8 +118,8 @@ impl WithBackend for Peer<'_> {
                 cfg.block_size,
                 model.local_kv_width(),
                 cfg.precision,
-            );
-            let ws = Workspace::new(&backend);
+            )?;
+            let ws = Workspace::new(&backend)?;
             Ok((model, kv, ws))
         })();
         let (model, mut kv, mut ws) = match loaded {

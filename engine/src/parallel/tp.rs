@@ -108,9 +108,9 @@ fn greedy_over<B: Backend>(
         BLOCK_SIZE,
         model.local_kv_width(),
         opts.precision,
-    );
+    )?;
     let table: Vec<u32> = (0..n_blocks as u32).collect();
-    let mut ws = Workspace::new(&backend);
+    let mut ws = Workspace::new(&backend)?;
     let mut run = GreedyRun {
         tokens: Vec::new(),
         logits: Vec::new(),

@@ -4,6 +4,7 @@
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::simd::SimdLevel;
 use crate::error::{Error, Result};
 
 /// Where the model runs.
@@ -52,6 +53,16 @@ impl Device {
             Device::Cpu => Ok(job.run(cpu(threads))),
             Device::Cuda => Err(cuda_unavailable()),
         }
+    }
+}
+
+/// The SIMD level the CPU backend's kernels run at on this machine, as the lock's fingerprint
+/// names it.
+pub fn cpu_simd_name() -> &'static str {
+    match SimdLevel::detect() {
+        SimdLevel::Scalar => "scalar",
+        SimdLevel::Avx2 => "avx2",
+        SimdLevel::Avx512Vnni => "avx512-vnni",
     }
 }
 

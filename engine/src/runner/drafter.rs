@@ -50,17 +50,17 @@ impl<B: Backend> Drafter<B> {
         backend: &B,
         n_blocks: usize,
         block_size: usize,
-    ) -> Drafter<B> {
-        match spec.method {
+    ) -> Result<Drafter<B>> {
+        Ok(match spec.method {
             SpecMethod::None => Drafter::Off,
             SpecMethod::Ngram => Drafter::Ngram,
             SpecMethod::Eagle3 => match draft {
                 Some(d) => Drafter::Eagle(Box::new(EagleDrafter::new(
                     d, backend, n_blocks, block_size, spec.topk,
-                ))),
+                )?)),
                 None => Drafter::Off,
             },
-        }
+        })
     }
 
     /// Target layers whose hidden states the drafter reads (the forward must capture them).

@@ -122,7 +122,7 @@ impl WithBackend for Job<'_> {
             device: spec.device,
             backend: model.backend.describe(),
         });
-        let runner = Runner::new(model, info.clone(), spec.runner, tp, draft);
+        let runner = Runner::new(model, info.clone(), spec.runner, tp, draft)?;
         Ok((Box::new(runner), info))
     }
 }

@@ -60,7 +60,7 @@ impl<B: Backend> Runner<B> {
         cfg: RunnerConfig,
         tp: Option<TpGroup>,
         draft: Option<Eagle3Draft<B>>,
-    ) -> Runner<B> {
+    ) -> Result<Runner<B>> {
         let c = model.config();
         let n_blocks = cfg.n_blocks();
         // This rank's KV heads only (all of them without tensor parallelism).
@@ -70,9 +70,9 @@ impl<B: Backend> Runner<B> {
             cfg.block_size,
             model.model.local_kv_width(),
             model.model.precision,
-        );
-        let drafter = Drafter::new(&cfg.spec, draft, &model.backend, n_blocks, cfg.block_size);
-        let mut ws = Workspace::new(&model.backend);
+        )?;
+        let drafter = Drafter::new(&cfg.spec, draft, &model.backend, n_blocks, cfg.block_size)?;
+        let mut ws = model.model.workspace(&model.backend, cfg.max_step_tokens)?;
         ws.capture_layers = drafter.aux_layers();
         let mut runner = Runner {
             policy: Policy::new(cfg.spec),
@@ -88,7 +88,7 @@ impl<B: Backend> Runner<B> {
         if runner.policy.enabled() && cfg.spec.adaptive {
             runner.calibrate();
         }
-        runner
+        Ok(runner)
     }
 
     /// Seeds the speculation policy's cost table: timed forwards of 1..64 tokens on scratch
@@ -284,7 +284,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
                         .collect();
                     self.model
                         .backend
-                        .move_kv(&mut self.kv, s.block_table, &moves);
+                        .move_kv(&mut self.kv, s.block_table, &moves)?;
                     confirmed_rows[w] = Some(
                         std::iter::once(f.first)
                             .chain(path.iter().map(|&c| f.first + 1 + c))

@@ -133,6 +133,7 @@ pub fn plan(
                 presence_penalty: presence,
                 frequency_penalty: frequency,
                 seed: k.seed,
+                logprobs: top_logprobs.is_some(),
                 top_logprobs: top_logprobs.unwrap_or(0),
             },
             ignore_eos: k.ignore_eos,

@@ -97,17 +97,17 @@ impl<B: Backend> EagleDrafter<B> {
         n_blocks: usize,
         block_size: usize,
         topk: usize,
-    ) -> Self {
+    ) -> Result<Self> {
         // f32 in every mode: the draft only proposes, and its cache is one layer.
-        let kv = backend.kv_store(1, n_blocks, block_size, draft.kv_width(), Precision::Exact);
-        EagleDrafter {
+        let kv = backend.kv_store(1, n_blocks, block_size, draft.kv_width(), Precision::Exact)?;
+        Ok(EagleDrafter {
             topk: topk.max(1),
             draft,
             kv,
-            ws: DraftWorkspace::new(backend),
-            hidden: backend.buffer(0, 0),
+            ws: DraftWorkspace::new(backend)?,
+            hidden: backend.buffer(0, 0)?,
             pending: HashMap::new(),
-        }
+        })
     }
 
     /// The target layers the draft reads (the target step must capture them).
@@ -163,7 +163,7 @@ impl<B: Backend> EagleDrafter<B> {
         let aux: Vec<B::Buffer> = captured
             .iter()
             .map(|c| backend.gather_rows(c, &source_rows))
-            .collect();
+            .collect::<Result<_>>()?;
         let out = self.draft.forward(
             backend,
             target_embed,
@@ -222,7 +222,7 @@ impl<B: Backend> EagleDrafter<B> {
             .iter()
             .filter_map(|&i| self.pending.get(&reqs[i].id).map(|p| p.row))
             .collect();
-        let mut hidden = backend.gather_rows(&self.hidden, &rows);
+        let mut hidden = backend.gather_rows(&self.hidden, &rows)?;
         for j in 1.. {
             // Those wanting more than j tokens continue; their rows in the current `hidden`.
             let keep: Vec<usize> = (0..active.len())
@@ -231,7 +231,7 @@ impl<B: Backend> EagleDrafter<B> {
             if keep.is_empty() {
                 break;
             }
-            let input = backend.gather_rows(&hidden, &keep);
+            let input = backend.gather_rows(&hidden, &keep)?;
             active = keep.iter().map(|&a| active[a]).collect();
             let tokens: Vec<u32> = active
                 .iter()
@@ -325,7 +325,7 @@ impl<B: Backend> EagleDrafter<B> {
             cands.push(c);
             frontier.push(f);
         }
-        let mut hidden = backend.gather_rows(&self.hidden, &rows);
+        let mut hidden = backend.gather_rows(&self.hidden, &rows)?;
         for d in 1.. {
             // Frontier nodes at depth d of requests wanting depth > d run through the draft.
             let mut tokens = Vec::new();
@@ -385,7 +385,7 @@ impl<B: Backend> EagleDrafter<B> {
                     }),
                 })
                 .collect();
-            let input = backend.gather_rows(&hidden, &input_rows);
+            let input = backend.gather_rows(&hidden, &input_rows)?;
             let all: Vec<usize> = (0..tokens.len()).collect();
             let out = self.draft.forward(
                 backend,

@@ -81,6 +81,7 @@ pub fn greedy_ids(m: &LoadedModel<CpuBackend>, prompt: &[u32], n: usize) -> Vec<
         ..Default::default()
     };
     kiln::generate::SingleSequence::new(m, 64)
+        .expect("sequence")
         .generate(m, prompt, &opts, |_| {})
         .expect("generate")
         .ids()
@@ -149,13 +150,16 @@ pub fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) ->
     let mut alloc = BlockAllocator::new(n.div_ceil(16), 16);
     let mut seq = SeqBlocks::default();
     seq.reserve(&mut alloc, n).expect("kv");
-    let mut kv = m.backend.kv_store(
-        c.n_layers,
-        n.div_ceil(16),
-        16,
-        c.kv_width(),
-        m.model.precision,
-    );
+    let mut kv = m
+        .backend
+        .kv_store(
+            c.n_layers,
+            n.div_ceil(16),
+            16,
+            c.kv_width(),
+            m.model.precision,
+        )
+        .expect("backend op");
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,
@@ -172,7 +176,12 @@ pub fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) ->
     };
     let out = m
         .model
-        .forward(&m.backend, &mut kv, &batch, &mut Workspace::new(&m.backend))
+        .forward(
+            &m.backend,
+            &mut kv,
+            &batch,
+            &mut Workspace::new(&m.backend).expect("workspace"),
+        )
         .expect("forward");
     out.chunks(c.vocab_size).map(|r| r.to_vec()).collect()
 }

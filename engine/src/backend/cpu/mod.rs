@@ -79,11 +79,19 @@ impl Default for CpuBackend {
     }
 }
 
+/// The CPU reads a forward's metadata where it already lies: the host slices themselves.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuStepMeta<'a> {
+    pub positions: &'a [usize],
+    pub spans: &'a [SeqSpan<'a>],
+}
+
 impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
     type Buffer = CpuBuffer;
     type KvStore = CpuKvStore;
+    type StepMeta<'a> = CpuStepMeta<'a>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -112,12 +120,12 @@ impl Backend for CpuBackend {
         Ok(values.to_vec())
     }
 
-    fn buffer(&self, n_rows: usize, width: usize) -> CpuBuffer {
-        CpuBuffer {
+    fn buffer(&self, n_rows: usize, width: usize) -> Result<CpuBuffer> {
+        Ok(CpuBuffer {
             data: vec![0.0; n_rows * width],
             rows: n_rows,
             cols: width,
-        }
+        })
     }
 
     fn kv_store(
@@ -127,11 +135,21 @@ impl Backend for CpuBackend {
         block_size: usize,
         kv_width: usize,
         precision: Precision,
-    ) -> CpuKvStore {
+    ) -> Result<CpuKvStore> {
         // f16 cells only where the AVX-512 attention kernel widens them as it loads; elsewhere
         // every task would have to widen its blocks first.
         let half = precision == Precision::Fast && self.kernels.level >= SimdLevel::Avx512Vnni;
-        CpuKvStore::new(n_layers, n_blocks, block_size, kv_width, half)
+        Ok(CpuKvStore::new(
+            n_layers, n_blocks, block_size, kv_width, half,
+        ))
+    }
+
+    fn step_meta<'a>(
+        &self,
+        positions: &'a [usize],
+        spans: &'a [SeqSpan<'a>],
+    ) -> Result<CpuStepMeta<'a>> {
+        Ok(CpuStepMeta { positions, spans })
     }
 
     fn embed(&self, table: &CpuMatrix, ids: &[u32], out: &mut CpuBuffer) -> Result<()> {
@@ -151,11 +169,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn matmul(&self, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) {
+    fn matmul(&self, x: &CpuBuffer, w: &CpuMatrix, out: &mut CpuBuffer) -> Result<()> {
         matrix::matmul(&self.kernels, &self.team, x, w, out);
+        Ok(())
     }
 
-    fn add_bias(&self, x: &mut CpuBuffer, bias: &Vec<f32>, col_offset: usize) {
+    fn add_bias(&self, x: &mut CpuBuffer, bias: &Vec<f32>, col_offset: usize) -> Result<()> {
         let cols = x.cols;
         for row in x.data.chunks_exact_mut(cols) {
             for (v, b) in row[col_offset..col_offset + bias.len()]
@@ -165,9 +184,10 @@ impl Backend for CpuBackend {
                 *v += b;
             }
         }
+        Ok(())
     }
 
-    fn rms_norm(&self, x: &CpuBuffer, w: &Vec<f32>, eps: f32, out: &mut CpuBuffer) {
+    fn rms_norm(&self, x: &CpuBuffer, w: &Vec<f32>, eps: f32, out: &mut CpuBuffer) -> Result<()> {
         out.resize(x.rows, x.cols);
         let cols = x.cols;
         self.team
@@ -177,6 +197,7 @@ impl Backend for CpuBackend {
                     rms_norm_into(&x.data[r * cols..(r + 1) * cols], w, eps, or);
                 }
             });
+        Ok(())
     }
 
     fn head_rms_norm(
@@ -187,7 +208,7 @@ impl Backend for CpuBackend {
         col_offset: usize,
         n_heads: usize,
         head_dim: usize,
-    ) {
+    ) -> Result<()> {
         let cols = x.cols;
         let mut tmp = vec![0f32; head_dim];
         for row in x.data.chunks_exact_mut(cols) {
@@ -197,6 +218,7 @@ impl Backend for CpuBackend {
                 head.copy_from_slice(&tmp);
             }
         }
+        Ok(())
     }
 
     fn rope(
@@ -204,9 +226,10 @@ impl Backend for CpuBackend {
         x: &mut CpuBuffer,
         col_offset: usize,
         n_heads: usize,
-        positions: &[usize],
+        meta: &CpuStepMeta<'_>,
         spec: &RopeSpec,
-    ) {
+    ) -> Result<()> {
+        let positions = meta.positions;
         let cols = x.cols;
         let half = spec.rope_dim / 2;
         let rotate = |row: &mut [f32], pos: usize| {
@@ -238,6 +261,7 @@ impl Backend for CpuBackend {
                     rotate(row, positions[first + i]);
                 }
             });
+        Ok(())
     }
 
     fn attention(
@@ -245,24 +269,25 @@ impl Backend for CpuBackend {
         qkv: &CpuBuffer,
         kv: &mut CpuKvStore,
         layer: usize,
-        spans: &[SeqSpan<'_>],
+        meta: &CpuStepMeta<'_>,
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,
         out: &mut CpuBuffer,
-    ) {
+    ) -> Result<()> {
         attention::attention(
             &self.kernels,
             &self.team,
             qkv,
             kv,
             layer,
-            spans,
+            meta.spans,
             n_heads,
             n_kv_heads,
             head_dim,
             out,
         );
+        Ok(())
     }
 
     fn store_kv(
@@ -270,17 +295,24 @@ impl Backend for CpuBackend {
         qkv: &CpuBuffer,
         kv: &mut CpuKvStore,
         layer: usize,
-        spans: &[SeqSpan<'_>],
+        meta: &CpuStepMeta<'_>,
         q_width: usize,
-    ) {
-        attention::store_kv(qkv, kv, layer, spans, q_width);
+    ) -> Result<()> {
+        attention::store_kv(qkv, kv, layer, meta.spans, q_width);
+        Ok(())
     }
 
-    fn move_kv(&self, kv: &mut CpuKvStore, block_table: &[u32], moves: &[(usize, usize)]) {
+    fn move_kv(
+        &self,
+        kv: &mut CpuKvStore,
+        block_table: &[u32],
+        moves: &[(usize, usize)],
+    ) -> Result<()> {
         kv.move_positions(block_table, moves);
+        Ok(())
     }
 
-    fn silu_mul(&self, gu: &CpuBuffer, out: &mut CpuBuffer) {
+    fn silu_mul(&self, gu: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
         let h = gu.cols / 2;
         out.resize(gu.rows, h);
         // Element-wise across the team: even one decode row is 1.5k exponentials per layer.
@@ -300,12 +332,14 @@ impl Backend for CpuBackend {
                     done += len;
                 }
             });
+        Ok(())
     }
 
-    fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer) {
+    fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer) -> Result<()> {
         for (a, b) in x.data.iter_mut().zip(&y.data) {
             *a += b;
         }
+        Ok(())
     }
 
     fn copy_columns(
@@ -315,21 +349,29 @@ impl Backend for CpuBackend {
         dst: &mut CpuBuffer,
         dst_col: usize,
         width: usize,
-    ) {
+    ) -> Result<()> {
         debug_assert_eq!(src.rows, dst.rows);
         let (sc, dc) = (src.cols, dst.cols);
         for (s, d) in src.data.chunks_exact(sc).zip(dst.data.chunks_exact_mut(dc)) {
             d[dst_col..dst_col + width].copy_from_slice(&s[src_col..src_col + width]);
         }
+        Ok(())
     }
 
-    fn scale_columns(&self, x: &mut CpuBuffer, col: usize, width: usize, factor: f32) {
+    fn scale_columns(
+        &self,
+        x: &mut CpuBuffer,
+        col: usize,
+        width: usize,
+        factor: f32,
+    ) -> Result<()> {
         let cols = x.cols;
         for row in x.data.chunks_exact_mut(cols) {
             for v in &mut row[col..col + width] {
                 *v *= factor;
             }
         }
+        Ok(())
     }
 
     fn scatter_add_rows(
@@ -338,7 +380,7 @@ impl Backend for CpuBackend {
         rows: &[usize],
         src: &CpuBuffer,
         weights: &[f32],
-    ) {
+    ) -> Result<()> {
         let cols = dst.cols;
         for ((&r, w), s) in rows
             .iter()
@@ -349,19 +391,20 @@ impl Backend for CpuBackend {
                 *d += w * v;
             }
         }
+        Ok(())
     }
 
-    fn gather_rows(&self, x: &CpuBuffer, rows: &[usize]) -> CpuBuffer {
+    fn gather_rows(&self, x: &CpuBuffer, rows: &[usize]) -> Result<CpuBuffer> {
         let mut out = CpuBuffer::default();
         out.resize(rows.len(), x.cols);
         for (i, &r) in rows.iter().enumerate() {
             out.data[i * x.cols..(i + 1) * x.cols].copy_from_slice(x.row(r));
         }
-        out
+        Ok(out)
     }
 
-    fn to_host(&self, x: &CpuBuffer) -> Vec<f32> {
-        x.data.clone()
+    fn to_host(&self, x: &CpuBuffer) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
     }
 
     fn all_reduce_sum(
