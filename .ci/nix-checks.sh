@@ -7,8 +7,9 @@
 #   4. every patch in patches/series has the policy header and applies to its pinned upstream source.
 # `nix flake check` (crane builds, clippy, nextest, the NixOS VM test) needs a Nix host: see README.
 #
-# Sources for the lib and crane: $NIXPKGS_LIB_SRC / $CRANE_SRC (a checkout or bare git mirror), else
-# the development machine's mirrors under /work/.mirror; without them steps 2-3 say so and skip.
+# Sources for the lib and crane: $NIXPKGS_LIB_SRC / $CRANE_SRC (a directory, a checkout or a bare git
+# mirror), else ../shared/vendor/{nixpkgs-lib,crane} beside the checkout (there on every developer
+# machine and in CI). A missing source fails its step: nothing here skips.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${KILN_CI_CACHE:-$HOME/.cache/kiln-ci}
@@ -37,11 +38,11 @@ echo "${#NIXFILES[@]} files"
 export_tree() {
   local src=$1 dest=$2
   rm -rf "$dest"; mkdir -p "$dest"
-  if [ -d "$src/.git" ] || [ -f "$src/flake.nix" ]; then cp -r "$src/." "$dest/"; rm -rf "$dest/.git"
-  else git -C "$src" archive HEAD | tar -x -C "$dest"; fi
+  if [ -f "$src/HEAD" ] && [ -d "$src/objects" ]; then git -C "$src" archive HEAD | tar -x -C "$dest"
+  else cp -r "$src/." "$dest/"; rm -rf "$dest/.git"; chmod -R u+w "$dest"; fi
 }
 
-LIB_SRC=${NIXPKGS_LIB_SRC:-/work/.mirror/nix-community+nixpkgs.lib/repo}
+LIB_SRC=${NIXPKGS_LIB_SRC:-../shared/vendor/nixpkgs-lib}
 if [ -e "$LIB_SRC" ]; then
   export_tree "$LIB_SRC" "$CACHE/nixpkgs-lib"
   echo "== nix: module and hosts against nixpkgs lib ($(cd "$CACHE/nixpkgs-lib" && nix_instantiate --eval -E '(import ./lib).version' 2>/dev/null))"
@@ -57,10 +58,11 @@ print(f"{len(checks)} checks, {len(bad)} failed")
 sys.exit(1 if bad or not checks else 0)
 PY
 else
-  echo "== nix: SKIPPED module evaluation: no nixpkgs lib at $LIB_SRC (set NIXPKGS_LIB_SRC)"
+  echo "== nix: FAILED module evaluation: no nixpkgs lib at $LIB_SRC (set NIXPKGS_LIB_SRC)"
+  fail=1
 fi
 
-CRANE_SRC=${CRANE_SRC:-/work/.mirror/ipetkov+crane/repo}
+CRANE_SRC=${CRANE_SRC:-../shared/vendor/crane}
 if [ -e "$CRANE_SRC" ] && [ -e "$LIB_SRC" ]; then
   echo "== nix: flake.lock and outputs"
   export_tree "$CRANE_SRC" "$CACHE/crane"
@@ -84,7 +86,8 @@ if [ -e "$CRANE_SRC" ] && [ -e "$LIB_SRC" ]; then
   done
   [ "$(feval eval "${OVR[@]}" .#nixosModules.default --apply builtins.isFunction)" = true ] || { echo "nixosModules.default is not a module function"; fail=1; }
 else
-  echo "== nix: SKIPPED flake evaluation: no crane source at $CRANE_SRC (set CRANE_SRC)"
+  echo "== nix: FAILED flake evaluation: no crane source at $CRANE_SRC or no nixpkgs lib (set CRANE_SRC)"
+  fail=1
 fi
 
 echo "== patches: header and a clean apply"
