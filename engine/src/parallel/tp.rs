@@ -37,6 +37,7 @@ const BLOCK_SIZE: usize = 16;
 /// `opts.world` ranks. Any rank's failure (a load error, a panic, a stall) fails the whole run with
 /// that rank's error; no rank is left waiting.
 pub fn greedy(path: &Path, opts: TpOptions, prompt: &[u32], max_new: usize) -> Result<GreedyRun> {
+    opts.device.check(opts.precision, opts.world)?;
     let job = Greedy {
         path,
         opts: &opts,

@@ -2,9 +2,9 @@
 //! everything above (the server, the CLI, the engine thread, the tensor-parallel peers) is handed
 //! code to run over whichever backend that is, through [`WithBackend`], without naming its type.
 
-use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::simd::SimdLevel;
+use crate::backend::{Backend, Precision};
 use crate::error::{Error, Result};
 
 /// Where the model runs.
@@ -51,7 +51,27 @@ impl Device {
     pub fn with_backend<J: WithBackend>(self, threads: Option<usize>, job: J) -> Result<J::Output> {
         match self {
             Device::Cpu => Ok(job.run(cpu(threads))),
-            Device::Cuda => Err(cuda_unavailable()),
+            Device::Cuda => cuda(job),
+        }
+    }
+
+    /// Whether this device runs a model in `precision` split over `world` ranks; the error says
+    /// what it does instead. On the GPU, `fast` means bf16 weights and activations with f32
+    /// accumulation; `exact` (f32 throughout, the CPU's reference mode) is refused, and so is
+    /// tensor parallelism until it runs over NCCL between GPUs.
+    pub fn check(self, precision: Precision, world: usize) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda if precision == Precision::Exact => Err(Error::Device(
+                "--device cuda computes in bf16 (--mode fast); --mode exact (f32 throughout) \
+                 runs on --device cpu"
+                    .into(),
+            )),
+            Device::Cuda if world > 1 => Err(Error::Device(format!(
+                "--device cuda serves on one GPU: tensor parallelism over {world} GPUs (NCCL) \
+                 is not built yet; use --tensor-parallel-size 1"
+            ))),
+            Device::Cuda => Ok(()),
         }
     }
 }
@@ -73,16 +93,19 @@ fn cpu(threads: Option<usize>) -> CpuBackend {
     }
 }
 
-fn cuda_unavailable() -> Error {
-    Error::Device(if cfg!(feature = "cuda") {
-        "--device cuda: the CUDA backend is not built yet (this build has the CUDA kernels and \
-         probes, not a runner over them); use --device cpu"
-            .into()
-    } else {
+/// GPU 0 (kiln serves on one GPU per process; `CUDA_VISIBLE_DEVICES` picks which).
+#[cfg(feature = "cuda")]
+fn cuda<J: WithBackend>(job: J) -> Result<J::Output> {
+    Ok(job.run(crate::backend::cuda::CudaBackend::open(0)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda<J: WithBackend>(_job: J) -> Result<J::Output> {
+    Err(Error::Device(
         "--device cuda: this kiln was built without CUDA support (build with `--features cuda`); \
          use --device cpu"
-            .into()
-    })
+            .into(),
+    ))
 }
 
 #[cfg(test)]
@@ -97,17 +120,38 @@ mod tests {
         }
     }
 
+    /// On a machine without a GPU (CI, this test's home) `--device cuda` is an error naming
+    /// what is missing (the build's CUDA support, or the driver), never the CPU backend.
     #[test]
     fn cpu_builds_the_cpu_backend_and_cuda_refuses_without_falling_back() {
         assert_eq!(Device::Cpu.with_backend(Some(1), Name).ok(), Some("cpu"));
-        let e = Device::Cuda
-            .with_backend(Some(1), Name)
+        match Device::Cuda.with_backend(Some(1), Name) {
+            Ok(name) => assert_eq!(name, "cuda", "a GPU machine must get the CUDA backend"),
+            Err(e) => {
+                let e = e.to_string();
+                let named = if cfg!(feature = "cuda") {
+                    e.contains("driver") || e.contains("NVRTC") || e.contains("cuBLASLt")
+                } else {
+                    e.contains("--features cuda")
+                };
+                assert!(e.contains("--device cuda") && named, "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_gpu_refuses_exact_mode_and_tensor_parallelism_by_name() {
+        assert!(Device::Cpu.check(Precision::Exact, 4).is_ok());
+        assert!(Device::Cuda.check(Precision::Fast, 1).is_ok());
+        let exact = Device::Cuda
+            .check(Precision::Exact, 1)
             .err()
             .map(|e| e.to_string());
-        let e = e.unwrap_or_default();
-        assert!(
-            e.contains("--device cuda") && e.contains("--device cpu"),
-            "{e}"
-        );
+        assert!(exact.unwrap_or_default().contains("--mode exact"));
+        let tp = Device::Cuda
+            .check(Precision::Fast, 2)
+            .err()
+            .map(|e| e.to_string());
+        assert!(tp.unwrap_or_default().contains("--tensor-parallel-size 1"));
     }
 }

@@ -47,6 +47,8 @@ pub fn load(
     spec: &LoadSpec,
     status: &mut dyn FnMut(String),
 ) -> Result<(Box<dyn ModelRunner>, Arc<ModelInfo>)> {
+    spec.device
+        .check(spec.precision, spec.tensor_parallel.max(1))?;
     let per_rank = spec.threads_per_rank();
     spec.device.with_backend(
         Some(per_rank),

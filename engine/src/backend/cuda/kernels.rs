@@ -26,7 +26,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "norm.cu",
         source: include_str!("kernels/norm.cu"),
-        entry_points: &["kiln_add_rms_norm_bf16"],
+        entry_points: &["kiln_add_rms_norm_bf16", "kiln_head_rms_norm_bf16"],
     },
     KernelSource {
         file: "rope.cu",
@@ -43,8 +43,21 @@ pub const SOURCES: &[KernelSource] = &[
         source: include_str!("kernels/attention.cu"),
         entry_points: &[
             "kiln_kv_write_bf16",
+            "kiln_kv_move_bf16",
             "kiln_paged_attention_bf16",
-            "kiln_tree_mask",
+            "kiln_attention_combine",
+        ],
+    },
+    KernelSource {
+        file: "elementwise.cu",
+        source: include_str!("kernels/elementwise.cu"),
+        entry_points: &[
+            "kiln_add_bias_bf16",
+            "kiln_add_bf16",
+            "kiln_copy_columns_bf16",
+            "kiln_scale_columns_bf16",
+            "kiln_gather_rows_bf16",
+            "kiln_scatter_add_rows_bf16",
         ],
     },
     KernelSource {

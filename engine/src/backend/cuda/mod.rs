@@ -1,11 +1,18 @@
-//! The CUDA side: finding the driver and libraries at run time ([`probe`]) and kiln's own kernels
-//! ([`kernels`]), compiled with NVRTC. Everything here loads its libraries dynamically, so a
+//! The CUDA side: finding the driver and libraries at run time ([`probe`]), kiln's own kernels
+//! ([`kernels`]) compiled with NVRTC for the GPU at hand ([`gpu`]), and the backend that runs the
+//! model's ops on one GPU ([`CudaBackend`]). Everything here loads its libraries dynamically, so a
 //! `--features cuda` binary starts, and says what is missing, on a machine without a GPU.
 
+mod backend;
+pub mod gpu;
 pub mod kernels;
 mod nccl_sweep;
 pub mod parity;
 mod probe;
 
+pub use backend::{
+    CudaBackend, CudaBuffer, CudaKvStore, CudaMatrix, CudaStepMeta, HostStepMeta,
+    attention_shared_bytes, attention_splits, check_attention_shape, host_step_meta,
+};
 pub use nccl_sweep::nccl_sweep;
 pub use probe::{CudaReport, probe};

@@ -3,17 +3,14 @@
 //! exactly the values the device sees; outputs are poisoned with NaN before every launch, so a
 //! kernel that skips an element fails instead of passing on stale memory.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::kernels::{self, SOURCES};
+use super::gpu::Gpu;
 
 /// One case's result.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -34,57 +31,20 @@ fn err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
 
 struct Device {
     stream: Arc<CudaStream>,
-    functions: HashMap<&'static str, CudaFunction>,
-}
-
-fn virtual_arch(cc: (i32, i32)) -> R<&'static str> {
-    Ok(match cc {
-        (8, 0) => "compute_80",
-        (8, 6) => "compute_86",
-        (8, 9) => "compute_89",
-        (9, 0) => "compute_90",
-        (10, 0) => "compute_100",
-        (12, 0) => "compute_120",
-        other => {
-            return Err(format!(
-                "compute capability {other:?} is not one kiln compiles for"
-            ));
-        }
-    })
+    gpu: Gpu,
 }
 
 impl Device {
     fn open() -> R<Device> {
-        super::probe().map_err(|e| format!("CUDA: {e}"))?;
-        let ctx = CudaContext::new(0).map_err(err("opening device 0"))?;
-        let arch = virtual_arch(
-            ctx.compute_capability()
-                .map_err(err("compute capability"))?,
-        )?;
-        let target = kernels::Target {
-            virtual_arch: arch,
-            sm: "",
-        };
-        let mut functions = HashMap::new();
-        for k in SOURCES {
-            let ptx = kernels::compile_ptx(k, target, None)?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-                .map_err(err(k.file))?;
-            for name in k.entry_points {
-                functions.insert(*name, module.load_function(name).map_err(err(name))?);
-            }
-        }
+        let gpu = Gpu::open(0)?;
         Ok(Device {
-            stream: ctx.default_stream(),
-            functions,
+            stream: gpu.stream.clone(),
+            gpu,
         })
     }
 
     fn f(&self, name: &str) -> R<&CudaFunction> {
-        self.functions
-            .get(name)
-            .ok_or_else(|| format!("kernel {name} not loaded"))
+        self.gpu.f(name)
     }
 
     fn up<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> R<CudaSlice<T>> {
@@ -151,7 +111,7 @@ fn rms_norm(d: &Device, rng: &mut ChaCha8Rng, rows: usize, width: usize) -> R<Op
     let w = random_bf16(rng, width, 1.5);
     let mut x_d = d.up(&x)?;
     let delta_d = d.up(&delta)?;
-    let w_d = d.up(&w)?;
+    let w_d = d.up(&f32s(&w))?;
     let mut out_d = d.poisoned(rows * width)?;
     let (width_i, eps) = (width as i32, 1e-5f32);
     let f = d.f("kiln_add_rms_norm_bf16")?;
@@ -201,14 +161,14 @@ fn rope(d: &Device, rng: &mut ChaCha8Rng, interleaved: bool) -> R<OpParity> {
         rope_dim as i32,
         interleaved as i32,
     ];
-    let scale = 1.0f32;
+    let (scale, attention_factor) = (1.0f32, 1.0f32);
     let f = d.f("kiln_rope_bf16")?;
     let mut b = d.stream.launch_builder(f);
     b.arg(&mut qkv_d).arg(&pos_d).arg(&freq_d);
     for a in &args {
         b.arg(a);
     }
-    b.arg(&scale);
+    b.arg(&scale).arg(&attention_factor);
     // SAFETY: as rope.cu declares; grid (rows, heads), one thread per rotated pair.
     unsafe { b.launch(cfg((rows as u32, heads as u32), (rope_dim / 2) as u32)) }
         .map_err(err("launch"))?;
@@ -314,196 +274,6 @@ fn silu_mul_and_embed(d: &Device, rng: &mut ChaCha8Rng) -> R<Vec<OpParity>> {
         0.0,
     );
     Ok(vec![silu, embed])
-}
-
-/// Two sequences, one decoding 3 tokens after 34 cached positions and one prefilling 5, with KV
-/// written by kiln_kv_write_bf16 into scattered blocks; optionally the second as an EAGLE tree.
-fn attention(d: &Device, rng: &mut ChaCha8Rng, tree: bool) -> R<OpParity> {
-    let (heads, kv_heads, head_dim, block) = (8usize, 2usize, 64usize, 16usize);
-    let (q_w, kv_w) = (heads * head_dim, kv_heads * head_dim);
-    let stride = q_w + 2 * kv_w;
-    let n_blocks = 8usize;
-    let tables: Vec<i32> = vec![5, 2, 7, 0, /* seq 1 */ 3, 6, 1, 4];
-    let max_blocks = 4usize;
-    // (sequence, position) of each new token.
-    let tokens: Vec<(usize, usize)> = vec![
-        (0, 34),
-        (0, 35),
-        (0, 36),
-        (1, 0),
-        (1, 1),
-        (1, 2),
-        (1, 3),
-        (1, 4),
-    ];
-    let parents: Vec<i32> = vec![-1, 0, 0, 1, 2]; // seq 1's five tokens as a tree (tree case)
-    let mut k_cache = vec![bf16::ZERO; n_blocks * block * kv_w];
-    let mut v_cache = vec![bf16::ZERO; n_blocks * block * kv_w];
-    let slot =
-        |seq: usize, p: usize| tables[seq * max_blocks + p / block] as usize * block + p % block;
-    for p in 0..34 {
-        let s = slot(0, p);
-        for i in 0..kv_w {
-            k_cache[s * kv_w + i] = bf16::from_f32(rng.random_range(-1.0..1.0));
-            v_cache[s * kv_w + i] = bf16::from_f32(rng.random_range(-1.0..1.0));
-        }
-    }
-    let qkv = random_bf16(rng, tokens.len() * stride, 1.0);
-    let slots: Vec<i32> = tokens.iter().map(|&(s, p)| slot(s, p) as i32).collect();
-    let (mut k_d, mut v_d) = (d.up(&k_cache)?, d.up(&v_cache)?);
-    let (qkv_d, slots_d) = (d.up(&qkv)?, d.up(&slots)?);
-    let (stride_i, k_col, v_col, kv_w_i) =
-        (stride as i32, q_w as i32, (q_w + kv_w) as i32, kv_w as i32);
-    let f = d.f("kiln_kv_write_bf16")?;
-    let mut b = d.stream.launch_builder(f);
-    b.arg(&qkv_d)
-        .arg(&stride_i)
-        .arg(&k_col)
-        .arg(&v_col)
-        .arg(&slots_d)
-        .arg(&mut k_d)
-        .arg(&mut v_d)
-        .arg(&kv_w_i);
-    // SAFETY: as attention.cu declares.
-    unsafe { b.launch(cfg((tokens.len() as u32, 1), 128)) }.map_err(err("launch"))?;
-
-    // The reference cache after the write.
-    for (t, &(s, p)) in tokens.iter().enumerate() {
-        let sl = slot(s, p);
-        for i in 0..kv_w {
-            k_cache[sl * kv_w + i] = qkv[t * stride + q_w + i];
-            v_cache[sl * kv_w + i] = qkv[t * stride + q_w + kv_w + i];
-        }
-    }
-    // Tree: node i of seq 1 sees nodes on its path to the root only.
-    let tree_n = parents.len();
-    let mut mask = vec![0u8; tree_n * tree_n];
-    for i in 0..tree_n {
-        let mut n = i as i32;
-        while n >= 0 {
-            mask[i * tree_n + n as usize] = 1;
-            n = parents[n as usize];
-        }
-    }
-    let seq_of: Vec<i32> = tokens.iter().map(|&(s, _)| s as i32).collect();
-    let pos_of: Vec<i32> = tokens.iter().map(|&(_, p)| p as i32).collect();
-    let base: Vec<i32> = tokens
-        .iter()
-        .map(|&(s, _)| if s == 1 { 0 } else { i32::MAX })
-        .collect();
-    let node: Vec<i32> = tokens
-        .iter()
-        .map(|&(s, p)| if s == 1 { p as i32 } else { 0 })
-        .collect();
-    let (seq_d, pos_d, tab_d) = (d.up(&seq_of)?, d.up(&pos_of)?, d.up(&tables)?);
-    let (mask_d, base_d, node_d) = (d.up(&mask)?, d.up(&base)?, d.up(&node)?);
-    let mut out_d = d.poisoned(tokens.len() * q_w)?;
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let ints = [
-        max_blocks as i32,
-        block as i32,
-        heads as i32,
-        kv_heads as i32,
-        head_dim as i32,
-    ];
-    let null: u64 = 0;
-    let tree_n_i = tree_n as i32;
-    let f = d.f("kiln_paged_attention_bf16")?;
-    let mut b = d.stream.launch_builder(f);
-    b.arg(&qkv_d)
-        .arg(&stride_i)
-        .arg(&k_d)
-        .arg(&v_d)
-        .arg(&seq_d)
-        .arg(&pos_d)
-        .arg(&tab_d);
-    for a in &ints {
-        b.arg(a);
-    }
-    b.arg(&scale);
-    if tree {
-        b.arg(&mask_d).arg(&base_d).arg(&node_d);
-    } else {
-        b.arg(&null).arg(&null).arg(&null);
-    }
-    b.arg(&tree_n_i).arg(&mut out_d);
-    // SAFETY: as attention.cu declares; null pointers where the tree is off.
-    unsafe { b.launch(cfg((tokens.len() as u32, heads as u32), 128)) }.map_err(err("launch"))?;
-    let got = f32s(&d.down(&out_d)?);
-
-    let mut want = vec![0f32; tokens.len() * q_w];
-    for (t, &(s, p)) in tokens.iter().enumerate() {
-        for h in 0..heads {
-            let kvh = h / (heads / kv_heads);
-            let q: Vec<f32> = (0..head_dim)
-                .map(|i| qkv[t * stride + h * head_dim + i].to_f32() * scale)
-                .collect();
-            let visible: Vec<usize> = (0..=p)
-                .filter(|&j| !(tree && s == 1) || mask[p * tree_n + j] == 1)
-                .collect();
-            let scores: Vec<f32> = visible
-                .iter()
-                .map(|&j| {
-                    let sl = slot(s, j);
-                    (0..head_dim)
-                        .map(|i| q[i] * k_cache[sl * kv_w + kvh * head_dim + i].to_f32())
-                        .sum()
-                })
-                .collect();
-            let m = scores.iter().cloned().fold(f32::MIN, f32::max);
-            let e: Vec<f32> = scores.iter().map(|x| (x - m).exp()).collect();
-            let z: f32 = e.iter().sum();
-            for i in 0..head_dim {
-                want[t * q_w + h * head_dim + i] = visible
-                    .iter()
-                    .zip(&e)
-                    .map(|(&j, w)| w * v_cache[slot(s, j) * kv_w + kvh * head_dim + i].to_f32())
-                    .sum::<f32>()
-                    / z;
-            }
-        }
-    }
-    let case = if tree {
-        "decode + tree-masked prefill"
-    } else {
-        "decode + causal prefill"
-    };
-    Ok(result(
-        "paged_attention",
-        case.into(),
-        rel_error(&got, &want),
-        BF16_TOL,
-    ))
-}
-
-fn tree_mask(d: &Device) -> R<OpParity> {
-    let parents: Vec<i32> = vec![-1, 0, 0, 1, 1, 2, -1, 6];
-    let n = parents.len();
-    let par_d = d.up(&parents)?;
-    let mut mask_d = d.up(&vec![7u8; n * n])?;
-    let n_i = n as i32;
-    let f = d.f("kiln_tree_mask")?;
-    let mut b = d.stream.launch_builder(f);
-    b.arg(&par_d).arg(&n_i).arg(&mut mask_d);
-    // SAFETY: as attention.cu declares.
-    unsafe { b.launch(cfg((n as u32, 1), n as u32)) }.map_err(err("launch"))?;
-    let got = d.down(&mask_d)?;
-    let mut wrong = 0usize;
-    for i in 0..n {
-        let mut ancestors = vec![0u8; n];
-        let mut a = i as i32;
-        while a >= 0 {
-            ancestors[a as usize] = 1;
-            a = parents[a as usize];
-        }
-        wrong += (0..n).filter(|&j| got[i * n + j] != ancestors[j]).count();
-    }
-    Ok(result(
-        "tree_mask",
-        format!("{n} nodes, two roots"),
-        wrong as f64,
-        0.0,
-    ))
 }
 
 fn argmax_and_sampling(d: &Device, rng: &mut ChaCha8Rng) -> R<Vec<OpParity>> {
@@ -623,9 +393,6 @@ pub fn run(seed: u64) -> R<Vec<OpParity>> {
         rope(&d, &mut rng, true)?,
     ];
     out.extend(silu_mul_and_embed(&d, &mut rng)?);
-    out.push(attention(&d, &mut rng, false)?);
-    out.push(attention(&d, &mut rng, true)?);
-    out.push(tree_mask(&d)?);
     out.extend(argmax_and_sampling(&d, &mut rng)?);
     d.stream.synchronize().map_err(err("synchronize"))?;
     Ok(out)

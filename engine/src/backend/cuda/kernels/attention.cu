@@ -2,31 +2,60 @@
 // new token attends to its sequence's positions 0..=its own (causal), found through the sequence's
 // block table. Grouped-query: query head h reads KV head h / (n_heads / n_kv_heads).
 //
-// Cache layout per layer: k_cache, v_cache [n_blocks, block_size, n_kv_heads * head_dim] bf16.
+// Cache layout per layer: K and V planes, each [n_blocks * block_size, n_kv_heads * head_dim] bf16
+// (slot = block * block_size + offset).
 //
-// EAGLE tree verification: with `tree_mask` set, a token that is tree node `tree_node[t]` sees the
-// positions from `tree_base[t]` on only where mask[node, p - base] is 1 (its ancestors and itself);
-// the positions before the tree (the accepted prefix) are all visible.
-#define KILN_MAX_HEAD_DIM 256
-#define KILN_ATTN_WARPS 4
+// EAGLE trees: a token with tree_base[t] = b sees the positions from b on only where bit (p - b) of
+// tree_rows[t] is set (its ancestors and itself); positions before b (the accepted prefix) are all
+// visible. A causal token has tree_base = INT_MAX.
+#define KILN_ATTN_THREADS 128
+#define KILN_ATTN_TILE 32
+// Outputs (query heads of one KV head times head_dim) each thread accumulates, at most: a group of
+// up to 2048 values (e.g. 8 heads of 256, 16 of 128).
+#define KILN_ATTN_MAX_OUT 16
+// K and V tile rows are padded by one 32-bit word: with an odd word stride, the lanes of a warp
+// reading one column of 32 different keys hit 32 different banks.
+#define KILN_ATTN_PAD 2
 
-// Copies this step's K and V rows of the fused qkv buffer into their cache slots
-// (slot = block * block_size + offset; the host's block tables decide it). Grid: rows.
+// Copies this step's K and V rows of the fused qkv buffer into their cache slots (-1: skip).
+// Grid: rows.
 extern "C" __global__ void kiln_kv_write_bf16(
     const bf16* __restrict__ qkv, int row_stride, int k_col, int v_col,
     const int* __restrict__ slots,
     bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int kv_width) {
     const long row = blockIdx.x;
     const long slot = slots[row];
-    if (slot < 0) return;  // padding row
+    if (slot < 0) return;
     for (int i = threadIdx.x; i < kv_width; i += blockDim.x) {
         k_cache[slot * kv_width + i] = qkv[row * row_stride + k_col + i];
         v_cache[slot * kv_width + i] = qkv[row * row_stride + v_col + i];
     }
 }
 
-// Grid: (tokens, n_heads); block: KILN_ATTN_WARPS * 32 threads. head_dim a multiple of 32, at most
-// KILN_MAX_HEAD_DIM. Online softmax per warp over its share of the keys, then the warps combine.
+// Moves cached rows within every layer, in order: for each move m, slot to[m] gets what slot
+// from[m] held (tree verification keeps the accepted path). Sequential across moves (a later move
+// may read what an earlier one wrote), parallel within a row. Grid: planes (2 per layer); the
+// cache is planes of n_slots * width values each.
+extern "C" __global__ void kiln_kv_move_bf16(
+    bf16* __restrict__ cache, long plane_len, int width,
+    const int* __restrict__ from, const int* __restrict__ to, int n_moves) {
+    bf16* plane = cache + (long)blockIdx.x * plane_len;
+    for (int m = 0; m < n_moves; m++) {
+        const long src = (long)from[m] * width, dst = (long)to[m] * width;
+        for (int i = threadIdx.x; i < width; i += blockDim.x) plane[dst + i] = plane[src + i];
+        __syncthreads();
+    }
+}
+
+// One block per (token, KV head, split): every query head of the group attends over the split's
+// positions, a tile of KILN_ATTN_TILE keys at a time. The tile's K and V rows are loaded into
+// shared memory once (coalesced along the head dimension) and read by all the group's heads; the
+// scores of a tile are one dot product per thread; the softmax is online (running max and sum per
+// head). With one split the block writes the normalized output; with several it writes its
+// unnormalized accumulator and its (max, sum) for kiln_attention_combine.
+//
+// Dynamic shared memory: group * head_dim floats (queries), 2 * TILE * (head_dim + PAD) bf16 (K and
+// V tiles), group * TILE floats (scores), 3 * group floats (max, sum, correction).
 extern "C" __global__ void kiln_paged_attention_bf16(
     const bf16* __restrict__ qkv, int row_stride,  // queries at column 0
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
@@ -34,74 +63,147 @@ extern "C" __global__ void kiln_paged_attention_bf16(
     const int* __restrict__ token_pos,     // [tokens] absolute position
     const int* __restrict__ block_tables,  // [n_seqs, max_blocks]
     int max_blocks, int block_size, int n_heads, int n_kv_heads, int head_dim, float scale,
-    const unsigned char* __restrict__ tree_mask,  // [tree_n, tree_n] or null
-    const int* __restrict__ tree_base, const int* __restrict__ tree_node, int tree_n,
-    bf16* __restrict__ out) {     // [tokens, n_heads * head_dim]
-    const int t = blockIdx.x, h = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int per_lane = head_dim / 32;
-    const int kv_head = h / (n_heads / n_kv_heads);
+    const int* __restrict__ tree_base,     // [tokens]
+    const u64* __restrict__ tree_rows,     // [tokens]
+    int split_len, int n_splits,
+    bf16* __restrict__ out,                // [tokens, n_heads * head_dim] (one split)
+    float* __restrict__ part_acc,          // [tokens, n_heads, n_splits, head_dim] (several)
+    float* __restrict__ part_ml) {         // [tokens, n_heads, n_splits, 2]
+    extern __shared__ float smem[];
+    const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int group = n_heads / n_kv_heads;
+    const int n_out = group * head_dim;
     const int kv_width = n_kv_heads * head_dim;
+    const int k_stride = head_dim + KILN_ATTN_PAD;
+    float* q_s = smem;                                   // [group * head_dim]
+    bf16* k_s = (bf16*)(q_s + n_out);                    // [TILE * k_stride]
+    bf16* v_s = k_s + KILN_ATTN_TILE * k_stride;         // [TILE * k_stride]
+    float* s_s = (float*)(v_s + KILN_ATTN_TILE * k_stride);  // [group * TILE]
+    float* m_s = s_s + group * KILN_ATTN_TILE;           // [group]
+    float* l_s = m_s + group;                            // [group]
+    float* c_s = l_s + group;                            // [group]
+
     const int seq = token_seq[t], pos = token_pos[t];
     const int* table = block_tables + (long)seq * max_blocks;
+    const int base = tree_base[t];
+    const u64 row_bits = tree_rows[t];
+    const int start = split * split_len;
+    const int end = min(pos + 1, start + split_len);
 
-    float q[KILN_MAX_HEAD_DIM / 32], acc[KILN_MAX_HEAD_DIM / 32];
-    const bf16* qh = qkv + (long)t * row_stride + h * head_dim;
-    for (int i = 0; i < per_lane; i++) {
-        q[i] = bf16_to_f32(qh[lane + 32 * i]) * scale;
-        acc[i] = 0.0f;
+    const bf16* q = qkv + (long)t * row_stride + kvh * group * head_dim;
+    for (int i = tid; i < n_out; i += KILN_ATTN_THREADS) q_s[i] = bf16_to_f32(q[i]) * scale;
+    for (int g = tid; g < group; g += KILN_ATTN_THREADS) {
+        m_s[g] = -KILN_INF;
+        l_s[g] = 0.0f;
     }
-    float m = -KILN_INF, l = 0.0f;
-    const int base = tree_mask ? tree_base[t] : 0x7fffffff;
-    for (int p = warp; p <= pos; p += KILN_ATTN_WARPS) {
-        if (p >= base) {
-            const int node = tree_node[t];
-            if (!tree_mask[(long)node * tree_n + (p - base)]) continue;
-        }
-        const long slot = (long)table[p / block_size] * block_size + p % block_size;
-        const bf16* kp = k_cache + slot * kv_width + kv_head * head_dim;
-        float s = 0.0f;
-        for (int i = 0; i < per_lane; i++) s += q[i] * bf16_to_f32(kp[lane + 32 * i]);
-        s = warp_sum(s);
-        const float m_new = fmaxf(m, s);
-        const float corr = __expf(m - m_new), e = __expf(s - m_new);
-        l = l * corr + e;
-        const bf16* vp = v_cache + slot * kv_width + kv_head * head_dim;
-        for (int i = 0; i < per_lane; i++) acc[i] = acc[i] * corr + e * bf16_to_f32(vp[lane + 32 * i]);
-        m = m_new;
-    }
-
-    __shared__ float sm[KILN_ATTN_WARPS], sl[KILN_ATTN_WARPS];
-    __shared__ float sacc[KILN_ATTN_WARPS][KILN_MAX_HEAD_DIM];
-    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
-    for (int i = 0; i < per_lane; i++) sacc[warp][lane + 32 * i] = acc[i];
+    float acc[KILN_ATTN_MAX_OUT];
+#pragma unroll
+    for (int k = 0; k < KILN_ATTN_MAX_OUT; k++) acc[k] = 0.0f;
     __syncthreads();
-    if (warp == 0) {
-        float M = -KILN_INF;
-        for (int w = 0; w < KILN_ATTN_WARPS; w++) M = fmaxf(M, sm[w]);
-        float L = 0.0f;
-        for (int w = 0; w < KILN_ATTN_WARPS; w++) L += sm[w] == -KILN_INF ? 0.0f : sl[w] * __expf(sm[w] - M);
-        bf16* o = out + (long)t * n_heads * head_dim + h * head_dim;
-        for (int i = 0; i < per_lane; i++) {
-            const int d = lane + 32 * i;
-            float v = 0.0f;
-            for (int w = 0; w < KILN_ATTN_WARPS; w++)
-                if (sm[w] != -KILN_INF) v += sacc[w][d] * __expf(sm[w] - M);
-            o[d] = f32_to_bf16(L > 0.0f ? v / L : 0.0f);
+
+    for (int p0 = start; p0 < end; p0 += KILN_ATTN_TILE) {
+        const int n_keys = min(KILN_ATTN_TILE, end - p0);
+        for (int idx = tid; idx < n_keys * head_dim; idx += KILN_ATTN_THREADS) {
+            const int j = idx / head_dim, d = idx % head_dim;
+            const int p = p0 + j;
+            const long slot = (long)table[p / block_size] * block_size + p % block_size;
+            const long at = slot * kv_width + kvh * head_dim + d;
+            k_s[j * k_stride + d] = k_cache[at];
+            v_s[j * k_stride + d] = v_cache[at];
+        }
+        __syncthreads();
+        for (int idx = tid; idx < group * KILN_ATTN_TILE; idx += KILN_ATTN_THREADS) {
+            const int g = idx / KILN_ATTN_TILE, j = idx % KILN_ATTN_TILE;
+            const int p = p0 + j;
+            float s = -KILN_INF;
+            const bool visible =
+                j < n_keys && (p < base || (p - base < 64 && ((row_bits >> (p - base)) & 1ull)));
+            if (visible) {
+                s = 0.0f;
+                const float* qg = q_s + g * head_dim;
+                const bf16* kj = k_s + j * k_stride;
+                for (int d = 0; d < head_dim; d++) s += qg[d] * bf16_to_f32(kj[d]);
+            }
+            s_s[idx] = s;
+        }
+        __syncthreads();
+        for (int g = tid; g < group; g += KILN_ATTN_THREADS) {
+            float* sg = s_s + g * KILN_ATTN_TILE;
+            float tile_max = -KILN_INF;
+            for (int j = 0; j < KILN_ATTN_TILE; j++) tile_max = fmaxf(tile_max, sg[j]);
+            const float m_old = m_s[g];
+            const float m_new = fmaxf(m_old, tile_max);
+            // Nothing visible yet (a tree token's masked tile): keep the state as it is.
+            const float corr = m_new == -KILN_INF ? 1.0f : __expf(m_old - m_new);
+            float sum = 0.0f;
+            for (int j = 0; j < KILN_ATTN_TILE; j++) {
+                const float e = sg[j] == -KILN_INF ? 0.0f : __expf(sg[j] - m_new);
+                sg[j] = e;
+                sum += e;
+            }
+            l_s[g] = l_s[g] * corr + sum;
+            m_s[g] = m_new;
+            c_s[g] = corr;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < KILN_ATTN_MAX_OUT; k++) {
+            const int idx = tid + k * KILN_ATTN_THREADS;
+            if (idx < n_out) {
+                const int g = idx / head_dim, d = idx % head_dim;
+                const float* pg = s_s + g * KILN_ATTN_TILE;
+                float a = acc[k] * c_s[g];
+                for (int j = 0; j < n_keys; j++) a += pg[j] * bf16_to_f32(v_s[j * k_stride + d]);
+                acc[k] = a;
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int k = 0; k < KILN_ATTN_MAX_OUT; k++) {
+        const int idx = tid + k * KILN_ATTN_THREADS;
+        if (idx < n_out) {
+            const int g = idx / head_dim, d = idx % head_dim;
+            const int h = kvh * group + g;
+            if (n_splits == 1) {
+                const float l = l_s[g];
+                out[(long)t * n_heads * head_dim + h * head_dim + d] =
+                    f32_to_bf16(l > 0.0f ? acc[k] / l : 0.0f);
+            } else {
+                part_acc[(((long)t * n_heads + h) * n_splits + split) * head_dim + d] = acc[k];
+            }
+        }
+    }
+    if (n_splits > 1) {
+        for (int g = tid; g < group; g += KILN_ATTN_THREADS) {
+            const long at = ((long)t * n_heads + kvh * group + g) * n_splits + split;
+            part_ml[at * 2] = m_s[g];
+            part_ml[at * 2 + 1] = l_s[g];
         }
     }
 }
 
-// The EAGLE tree attention mask from each node's parent (-1 for children of the accepted prefix):
-// mask[i, j] = 1 when node j is node i or one of its ancestors. Grid: (tree_n); block: tree_n.
-extern "C" __global__ void kiln_tree_mask(
-    const int* __restrict__ parents, int tree_n, unsigned char* __restrict__ mask) {
-    const int i = blockIdx.x, j = threadIdx.x;
-    if (i >= tree_n || j >= tree_n) return;
-    unsigned char visible = 0;
-    // Walk up from i; a depth bound guards against a malformed (cyclic) parent list.
-    for (int node = i, depth = 0; node >= 0 && depth < tree_n; node = parents[node], depth++) {
-        if (node == j) { visible = 1; break; }
+// Joins the splits of kiln_paged_attention_bf16: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+// Grid: (tokens, n_heads); block: head_dim threads (at most 1024).
+extern "C" __global__ void kiln_attention_combine(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, int n_splits,
+    int n_heads, int head_dim, bf16* __restrict__ out) {
+    const long th = (long)blockIdx.x * n_heads + blockIdx.y;
+    const int d = threadIdx.x;
+    if (d >= head_dim) return;
+    float M = -KILN_INF;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, part_ml[(th * n_splits + s) * 2]);
+    float L = 0.0f, v = 0.0f;
+    if (M != -KILN_INF) {
+        for (int s = 0; s < n_splits; s++) {
+            const float m = part_ml[(th * n_splits + s) * 2];
+            if (m == -KILN_INF) continue;
+            const float w = __expf(m - M);
+            L += part_ml[(th * n_splits + s) * 2 + 1] * w;
+            v += part_acc[(th * n_splits + s) * head_dim + d] * w;
+        }
     }
-    mask[(long)i * tree_n + j] = visible;
+    out[th * head_dim + d] = f32_to_bf16(L > 0.0f ? v / L : 0.0f);
 }

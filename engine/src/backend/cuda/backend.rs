@@ -1,0 +1,958 @@
+//! The CUDA backend: the op trait over one GPU. Weights and activations are bf16 on the device
+//! (f32 arithmetic inside every kernel, f32 accumulation in cuBLASLt's GEMMs); norm weights and
+//! biases stay f32. Quantized and f32 weight formats are dequantized on the host and uploaded as
+//! bf16 at load. The KV cache is one device slab: for each layer a K plane and a V plane of
+//! `n_blocks * block_size` rows.
+//!
+//! Every op is enqueued on the GPU's one stream and returns at once; only `to_host` (and the
+//! uploads of a step's metadata) wait for the device. A failed launch or copy is an
+//! [`Error::Device`], which the runner treats as the device lost (CUDA errors are sticky).
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use half::bf16;
+
+use super::gpu::Gpu;
+use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS};
+use crate::error::{Error, Result};
+use crate::parallel::Communicator;
+use crate::weights::TensorView;
+
+/// The attention kernel's limits (attention.cu): threads per block, keys per tile, and outputs
+/// (query heads of one KV head times head_dim) per thread.
+const ATTN_THREADS: usize = 128;
+const ATTN_TILE: usize = 32;
+const ATTN_MAX_OUT: usize = 16;
+const ATTN_PAD: usize = 2;
+/// Below this many keys per split, splitting a sequence costs more than it spreads.
+const ATTN_MIN_SPLIT: usize = 256;
+const ATTN_MAX_SPLITS: usize = 32;
+
+fn dev<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> Error {
+    move |e| Error::Device(format!("CUDA {what}: {e:?}"))
+}
+
+/// A weight matrix `[rows, cols]`, row-major bf16.
+pub struct CudaMatrix {
+    data: CudaSlice<bf16>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Activations `[rows, cols]`, row-major bf16, in an allocation that only grows (the workspace
+/// is sized once for the largest step; a larger shape reallocates).
+pub struct CudaBuffer {
+    data: CudaSlice<bf16>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The paged KV cache: `[layer][K | V][slot][width]` bf16.
+pub struct CudaKvStore {
+    cache: CudaSlice<bf16>,
+    n_layers: usize,
+    n_slots: usize,
+    width: usize,
+}
+
+impl CudaKvStore {
+    fn plane_len(&self) -> usize {
+        self.n_slots * self.width
+    }
+}
+
+/// One forward's metadata, uploaded once: per token its position, sequence, KV slot and tree
+/// mask; per sequence its block table (padded to the longest).
+pub struct CudaStepMeta<'a> {
+    positions: CudaSlice<i32>,
+    token_seq: CudaSlice<i32>,
+    slots: CudaSlice<i32>,
+    block_tables: CudaSlice<i32>,
+    tree_base: CudaSlice<i32>,
+    tree_rows: CudaSlice<u64>,
+    max_blocks: usize,
+    n_tokens: usize,
+    /// The longest context any token of the step attends over (its position + 1).
+    max_context: usize,
+    spans: PhantomData<&'a [SeqSpan<'a>]>,
+}
+
+/// Device scratch reused across calls: the attention splits' partial results.
+struct Scratch {
+    part_acc: Option<CudaSlice<f32>>,
+    part_ml: Option<CudaSlice<f32>>,
+}
+
+pub struct CudaBackend {
+    gpu: Gpu,
+    blas: CudaBlasLT,
+    /// RoPE inverse frequencies on the device, per distinct spec (the model's, a draft head's).
+    rope_tables: Mutex<Vec<(Vec<u32>, CudaSlice<f32>)>>,
+    scratch: Mutex<Scratch>,
+    /// Tokens per KV block, fixed by the first KV store (the step metadata's slots need it).
+    block_size: AtomicUsize,
+}
+
+fn cfg(grid: (usize, usize, usize), block: usize, shared: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
+        block_dim: (block as u32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    }
+}
+
+fn int(v: usize) -> i32 {
+    v as i32
+}
+
+fn to_bf16(values: &[f32]) -> Vec<bf16> {
+    values.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `ordinal`; the error names what is missing (driver, device, NVRTC,
+    /// cuBLASLt) or what failed.
+    pub fn open(ordinal: usize) -> Result<CudaBackend> {
+        let gpu = Gpu::open(ordinal).map_err(|e| Error::Device(format!("--device cuda: {e}")))?;
+        let blas = gpu
+            .blas()
+            .map_err(|e| Error::Device(format!("--device cuda: {e}")))?;
+        Ok(CudaBackend {
+            gpu,
+            blas,
+            rope_tables: Mutex::new(Vec::new()),
+            scratch: Mutex::new(Scratch {
+                part_acc: None,
+                part_ml: None,
+            }),
+            block_size: AtomicUsize::new(0),
+        })
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.gpu.stream
+    }
+
+    fn f(&self, name: &str) -> Result<&CudaFunction> {
+        self.gpu.f(name).map_err(Error::Device)
+    }
+
+    fn upload<T: DeviceRepr + ValidAsZeroBits>(&self, values: &[T]) -> Result<CudaSlice<T>> {
+        if values.is_empty() {
+            return self.zeros(1);
+        }
+        self.stream()
+            .clone_htod(values)
+            .map_err(dev("copy to the device"))
+    }
+
+    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // A zero-length allocation is an error to the driver; keep one element.
+        self.stream()
+            .alloc_zeros(n.max(1))
+            .map_err(dev("allocation (out of device memory?)"))
+    }
+
+    fn block_size(&self) -> Result<usize> {
+        match self.block_size.load(Ordering::Relaxed) {
+            0 => Err(Error::Device("a step before any KV store was made".into())),
+            b => Ok(b),
+        }
+    }
+
+    /// Free and total device memory, in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.gpu.ctx.mem_get_info().map_err(dev("memory query"))
+    }
+
+    /// Gives `buf` the shape `[rows, cols]`, reallocating only when it has to grow.
+    fn shape(&self, buf: &mut CudaBuffer, rows: usize, cols: usize) -> Result<()> {
+        if rows * cols > buf.data.len() {
+            buf.data = self.zeros(rows * cols)?;
+        }
+        buf.rows = rows;
+        buf.cols = cols;
+        Ok(())
+    }
+
+    fn rope_table(&self, spec: &RopeSpec) -> Result<CudaSlice<f32>> {
+        let key: Vec<u32> = spec.inv_freq.iter().map(|v| v.to_bits()).collect();
+        let mut tables = self
+            .rope_tables
+            .lock()
+            .map_err(|_| Error::Device("the RoPE table cache was poisoned".into()))?;
+        if let Some((_, t)) = tables.iter().find(|(k, _)| *k == key) {
+            return t.try_clone().map_err(dev("copy of the RoPE table"));
+        }
+        let t = self.upload(&spec.inv_freq)?;
+        tables.push((key, t.try_clone().map_err(dev("copy of the RoPE table"))?));
+        Ok(t)
+    }
+
+    /// How many splits the attention over `max_context` keys gets: enough blocks to fill the GPU
+    /// twice over when the batch alone does not.
+    fn attention_splits(&self, n_tokens: usize, n_kv_heads: usize, max_context: usize) -> usize {
+        attention_splits(self.gpu.sm_count, n_tokens, n_kv_heads, max_context)
+    }
+}
+
+/// See [`CudaBackend::attention_splits`]; a free function so it is tested without a GPU.
+pub fn attention_splits(
+    sm_count: usize,
+    n_tokens: usize,
+    n_kv_heads: usize,
+    max_context: usize,
+) -> usize {
+    let blocks = n_tokens * n_kv_heads;
+    let target = 2 * sm_count;
+    if blocks == 0 || blocks >= target || max_context <= ATTN_MIN_SPLIT {
+        return 1;
+    }
+    target
+        .div_ceil(blocks)
+        .min(max_context.div_ceil(ATTN_MIN_SPLIT))
+        .clamp(1, ATTN_MAX_SPLITS)
+}
+
+/// The attention kernel's dynamic shared memory for one KV head's group of query heads.
+pub fn attention_shared_bytes(group: usize, head_dim: usize) -> usize {
+    let q = group * head_dim * 4;
+    let tiles = 2 * ATTN_TILE * (head_dim + ATTN_PAD) * 2;
+    let scores = group * ATTN_TILE * 4;
+    q + tiles + scores + 3 * group * 4
+}
+
+/// Checks that the attention kernel covers this head layout, naming what does not fit.
+pub fn check_attention_shape(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Result<()> {
+    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        return Err(Error::Device(format!(
+            "attention: {n_heads} query heads are not a multiple of {n_kv_heads} KV heads"
+        )));
+    }
+    let group = n_heads / n_kv_heads;
+    if head_dim == 0 || head_dim > 256 || group * head_dim > ATTN_THREADS * ATTN_MAX_OUT {
+        return Err(Error::Device(format!(
+            "attention: head size {head_dim} with {group} query heads per KV head is outside \
+             what the CUDA kernel covers (head size up to 256, group x head size up to {})",
+            ATTN_THREADS * ATTN_MAX_OUT
+        )));
+    }
+    Ok(())
+}
+
+/// A step's metadata on the host, flattened as the kernels read it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct HostStepMeta {
+    pub positions: Vec<i32>,
+    pub token_seq: Vec<i32>,
+    pub slots: Vec<i32>,
+    pub block_tables: Vec<i32>,
+    pub max_blocks: usize,
+    pub tree_base: Vec<i32>,
+    pub tree_rows: Vec<u64>,
+    pub max_context: usize,
+}
+
+/// Flattens positions and spans: each token's sequence, KV slot (block * block_size + offset) and
+/// tree row; every block table padded to the longest (with -1).
+pub fn host_step_meta(
+    positions: &[usize],
+    spans: &[SeqSpan<'_>],
+    block_size: usize,
+) -> Result<HostStepMeta> {
+    let n = positions.len();
+    let max_blocks = spans
+        .iter()
+        .map(|s| s.block_table.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut m = HostStepMeta {
+        positions: positions.iter().map(|&p| int(p)).collect(),
+        token_seq: vec![0; n],
+        slots: vec![-1; n],
+        block_tables: vec![-1; spans.len().max(1) * max_blocks],
+        max_blocks,
+        tree_base: vec![i32::MAX; n],
+        tree_rows: vec![0; n],
+        max_context: positions.iter().map(|&p| p + 1).max().unwrap_or(0),
+    };
+    for (si, span) in spans.iter().enumerate() {
+        for (b, &block) in span.block_table.iter().enumerate() {
+            m.block_tables[si * max_blocks + b] = block as i32;
+        }
+        for i in 0..span.n_tokens {
+            let t = span.first_token + i;
+            let pos = *positions
+                .get(t)
+                .ok_or_else(|| Error::InvalidRequest(format!("span token {t} has no position")))?;
+            let block = span.block_table.get(pos / block_size).ok_or_else(|| {
+                Error::InvalidRequest(format!(
+                    "position {pos} is past the block table ({} blocks)",
+                    span.block_table.len()
+                ))
+            })?;
+            m.token_seq[t] = si as i32;
+            m.slots[t] = int(*block as usize * block_size + pos % block_size);
+            if let Some(tree) = &span.tree {
+                if pos < tree.base || pos - tree.base >= TREE_MAX_POSITIONS {
+                    return Err(Error::InvalidRequest(format!(
+                        "tree token at position {pos} is outside its mask (base {})",
+                        tree.base
+                    )));
+                }
+                m.tree_base[t] = int(tree.base);
+                m.tree_rows[t] = *tree.rows.get(i).ok_or_else(|| {
+                    Error::InvalidRequest("a tree mask without a row per token".into())
+                })?;
+            }
+        }
+    }
+    Ok(m)
+}
+
+impl Backend for CudaBackend {
+    type Matrix = CudaMatrix;
+    type Vector = CudaSlice<f32>;
+    type Buffer = CudaBuffer;
+    type KvStore = CudaKvStore;
+    type StepMeta<'a> = CudaStepMeta<'a>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn describe(&self) -> String {
+        let (major, minor) = self.gpu.compute_capability;
+        format!("cuda ({}, sm_{major}{minor}, bf16)", self.gpu.name)
+    }
+
+    fn matrix(&self, parts: &[TensorView], _precision: Precision) -> Result<CudaMatrix> {
+        // bf16 whatever the precision: the device loader refuses exact mode before any weight.
+        let mut cols = None;
+        let mut rows = 0;
+        let mut host = Vec::new();
+        for p in parts {
+            let (r, c) = p.matrix_shape()?;
+            if *cols.get_or_insert(c) != c {
+                return Err(Error::tensor(
+                    &p.path,
+                    &p.name,
+                    format!("{c} columns, stacked with a matrix of {cols:?}"),
+                ));
+            }
+            rows += r;
+            host.extend(to_bf16(&p.to_f32()));
+        }
+        Ok(CudaMatrix {
+            data: self.upload(&host)?,
+            rows,
+            cols: cols.unwrap_or(0),
+        })
+    }
+
+    fn vector(&self, v: &TensorView) -> Result<CudaSlice<f32>> {
+        self.upload(&v.to_f32())
+    }
+
+    fn vector_from_host(&self, values: &[f32]) -> Result<CudaSlice<f32>> {
+        self.upload(values)
+    }
+
+    fn buffer(&self, n_rows: usize, width: usize) -> Result<CudaBuffer> {
+        Ok(CudaBuffer {
+            data: self.zeros(n_rows * width)?,
+            rows: n_rows,
+            cols: width,
+        })
+    }
+
+    fn kv_store(
+        &self,
+        n_layers: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_width: usize,
+        _precision: Precision,
+    ) -> Result<CudaKvStore> {
+        if block_size == 0 {
+            return Err(Error::Device("a KV block of 0 tokens".into()));
+        }
+        let known = self.block_size.swap(block_size, Ordering::Relaxed);
+        if known != 0 && known != block_size {
+            return Err(Error::Device(format!(
+                "KV stores of {known} and {block_size} tokens per block on one GPU"
+            )));
+        }
+        let n_slots = n_blocks * block_size;
+        let cache = self.zeros(n_layers * 2 * n_slots * kv_width).map_err(|e| {
+            Error::Device(format!(
+                "the KV cache ({n_slots} tokens, {} MiB) does not fit on the GPU: {e}; lower \
+                 --kv-tokens or --mem-fraction-static",
+                (n_layers * 2 * n_slots * kv_width * 2) >> 20
+            ))
+        })?;
+        Ok(CudaKvStore {
+            cache,
+            n_layers,
+            n_slots,
+            width: kv_width,
+        })
+    }
+
+    fn step_meta<'a>(
+        &self,
+        positions: &'a [usize],
+        spans: &'a [SeqSpan<'a>],
+    ) -> Result<CudaStepMeta<'a>> {
+        let m = host_step_meta(positions, spans, self.block_size()?)?;
+        Ok(CudaStepMeta {
+            positions: self.upload(&m.positions)?,
+            token_seq: self.upload(&m.token_seq)?,
+            slots: self.upload(&m.slots)?,
+            block_tables: self.upload(&m.block_tables)?,
+            tree_base: self.upload(&m.tree_base)?,
+            tree_rows: self.upload(&m.tree_rows)?,
+            max_blocks: m.max_blocks,
+            n_tokens: positions.len(),
+            max_context: m.max_context,
+            spans: PhantomData,
+        })
+    }
+
+    fn embed(&self, table: &CudaMatrix, ids: &[u32], out: &mut CudaBuffer) -> Result<()> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(Error::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                table.rows
+            )));
+        }
+        self.shape(out, ids.len(), table.cols)?;
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let ids_d = self.upload(ids)?;
+        let (vocab, width) = (int(table.rows), int(table.cols));
+        let mut b = self.stream().launch_builder(self.f("kiln_embed_bf16")?);
+        b.arg(&table.data)
+            .arg(&ids_d)
+            .arg(&mut out.data)
+            .arg(&vocab)
+            .arg(&width);
+        // SAFETY: as mlp.cu declares: grid = tokens, `out` holds tokens * width values.
+        unsafe { b.launch(cfg((ids.len(), 1, 1), 256, 0)) }.map_err(dev("embed launch"))?;
+        Ok(())
+    }
+
+    fn matmul(&self, x: &CudaBuffer, w: &CudaMatrix, out: &mut CudaBuffer) -> Result<()> {
+        if x.cols != w.cols {
+            return Err(Error::Device(format!(
+                "matmul: input width {} against a matrix of {} columns",
+                x.cols, w.cols
+            )));
+        }
+        self.shape(out, x.rows, w.rows)?;
+        if x.rows == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        // Column-major view: out^T [w.rows, x.rows] = W [w.rows, cols] (row-major W read as
+        // transposed column-major) times x^T [cols, x.rows].
+        let c = MatmulConfig {
+            transa: true,
+            transb: false,
+            transc: false,
+            m: w.rows as u64,
+            n: x.rows as u64,
+            k: w.cols as u64,
+            alpha: 1.0,
+            lda: w.cols as i64,
+            ldb: x.cols as i64,
+            beta: 0.0,
+            ldc: w.rows as i64,
+            stride_a: None,
+            stride_b: None,
+            stride_c: None,
+            stride_bias: None,
+            batch_size: None,
+        };
+        // SAFETY: the shapes above match the allocations: W holds rows * cols, x at least
+        // x.rows * cols, out at least x.rows * w.rows values.
+        unsafe {
+            self.blas
+                .matmul(c, &w.data, &x.data, &mut out.data, None, None)
+        }
+        .map_err(dev("cuBLASLt matmul"))
+    }
+
+    fn add_bias(&self, x: &mut CudaBuffer, bias: &CudaSlice<f32>, col_offset: usize) -> Result<()> {
+        let width = bias.len();
+        if x.rows == 0 {
+            return Ok(());
+        }
+        let (stride, off, w) = (int(x.cols), int(col_offset), int(width));
+        let mut b = self.stream().launch_builder(self.f("kiln_add_bias_bf16")?);
+        b.arg(&mut x.data).arg(&stride).arg(&off).arg(bias).arg(&w);
+        // SAFETY: as elementwise.cu declares; col_offset + width <= cols (the model's layout).
+        unsafe { b.launch(cfg((width.div_ceil(256), x.rows, 1), 256, 0)) }
+            .map_err(dev("add_bias launch"))?;
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaBuffer,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.shape(out, x.rows, x.cols)?;
+        if x.rows == 0 {
+            return Ok(());
+        }
+        let (width, null) = (int(x.cols), 0u64);
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_add_rms_norm_bf16")?);
+        // No delta: the kernel reads `x` only.
+        b.arg(&x.data)
+            .arg(&null)
+            .arg(w)
+            .arg(&mut out.data)
+            .arg(&width)
+            .arg(&eps);
+        // SAFETY: as norm.cu declares: one block per row, a multiple of 32 threads.
+        unsafe { b.launch(cfg((x.rows, 1, 1), 256, 0)) }.map_err(dev("rms_norm launch"))?;
+        Ok(())
+    }
+
+    fn head_rms_norm(
+        &self,
+        x: &mut CudaBuffer,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        col_offset: usize,
+        n_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        if x.rows == 0 || n_heads == 0 {
+            return Ok(());
+        }
+        let (stride, off, hd) = (int(x.cols), int(col_offset), int(head_dim));
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_head_rms_norm_bf16")?);
+        b.arg(&mut x.data)
+            .arg(&stride)
+            .arg(&off)
+            .arg(&hd)
+            .arg(w)
+            .arg(&eps);
+        // SAFETY: as norm.cu declares: grid (rows, heads), one warp per head.
+        unsafe { b.launch(cfg((x.rows, n_heads, 1), 32, 0)) }
+            .map_err(dev("head_rms_norm launch"))?;
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaBuffer,
+        col_offset: usize,
+        n_heads: usize,
+        meta: &CudaStepMeta<'_>,
+        spec: &RopeSpec,
+    ) -> Result<()> {
+        if x.rows == 0 || n_heads == 0 || spec.rope_dim < 2 {
+            return Ok(());
+        }
+        let table = self.rope_table(spec)?;
+        let ints = [
+            int(x.cols),
+            int(col_offset),
+            int(spec.head_dim),
+            int(spec.rope_dim),
+            i32::from(spec.interleaved),
+        ];
+        let mut b = self.stream().launch_builder(self.f("kiln_rope_bf16")?);
+        b.arg(&mut x.data).arg(&meta.positions).arg(&table);
+        for v in &ints {
+            b.arg(v);
+        }
+        b.arg(&spec.position_scale).arg(&spec.attention_factor);
+        // SAFETY: as rope.cu declares: grid (rows, heads), one thread per rotated pair.
+        unsafe { b.launch(cfg((x.rows, n_heads, 1), spec.rope_dim / 2, 0)) }
+            .map_err(dev("rope launch"))?;
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        qkv: &CudaBuffer,
+        kv: &mut CudaKvStore,
+        layer: usize,
+        meta: &CudaStepMeta<'_>,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        check_attention_shape(n_heads, n_kv_heads, head_dim)?;
+        let q_width = n_heads * head_dim;
+        if kv.width != n_kv_heads * head_dim {
+            return Err(Error::Device(format!(
+                "attention: KV rows of {} values for {n_kv_heads} heads of {head_dim}",
+                kv.width
+            )));
+        }
+        self.store_kv(qkv, kv, layer, meta, q_width)?;
+        let n = meta.n_tokens;
+        self.shape(out, n, q_width)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let group = n_heads / n_kv_heads;
+        let splits = self.attention_splits(n, n_kv_heads, meta.max_context);
+        let split_len = meta
+            .max_context
+            .div_ceil(splits)
+            .next_multiple_of(ATTN_TILE);
+        let plane = kv.plane_len();
+        let k_plane = kv.cache.slice(2 * layer * plane..(2 * layer + 1) * plane);
+        let v_plane = kv
+            .cache
+            .slice((2 * layer + 1) * plane..(2 * layer + 2) * plane);
+        let mut guard = self
+            .scratch
+            .lock()
+            .map_err(|_| Error::Device("the attention scratch was poisoned".into()))?;
+        let scratch = &mut *guard;
+        let (acc_len, ml_len) = if splits > 1 {
+            (n * n_heads * splits * head_dim, n * n_heads * splits * 2)
+        } else {
+            (1, 1)
+        };
+        for (slot, len) in [
+            (&mut scratch.part_acc, acc_len),
+            (&mut scratch.part_ml, ml_len),
+        ] {
+            if slot.as_ref().is_none_or(|s| s.len() < len) {
+                *slot = Some(self.zeros(len)?);
+            }
+        }
+        let Scratch { part_acc, part_ml } = scratch;
+        let (Some(part_acc), Some(part_ml)) = (part_acc.as_mut(), part_ml.as_mut()) else {
+            return Err(Error::Device("attention scratch missing".into()));
+        };
+        let block_size = int(self.block_size()?);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let args = [
+            int(meta.max_blocks),
+            block_size,
+            int(n_heads),
+            int(n_kv_heads),
+            int(head_dim),
+        ];
+        let (split_len_i, splits_i, stride) = (int(split_len), int(splits), int(qkv.cols));
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_paged_attention_bf16")?);
+        b.arg(&qkv.data)
+            .arg(&stride)
+            .arg(&k_plane)
+            .arg(&v_plane)
+            .arg(&meta.token_seq)
+            .arg(&meta.positions)
+            .arg(&meta.block_tables);
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&scale)
+            .arg(&meta.tree_base)
+            .arg(&meta.tree_rows)
+            .arg(&split_len_i)
+            .arg(&splits_i)
+            .arg(&mut out.data)
+            .arg(&mut *part_acc)
+            .arg(&mut *part_ml);
+        let shared = attention_shared_bytes(group, head_dim);
+        // SAFETY: as attention.cu declares: grid (tokens, KV heads, splits), 128 threads, the
+        // dynamic shared memory sized for this group; check_attention_shape bounds it (< 48 KiB).
+        unsafe { b.launch(cfg((n, n_kv_heads, splits), ATTN_THREADS, shared)) }
+            .map_err(dev("attention launch"))?;
+        if splits > 1 {
+            let (splits_i, heads_i, hd_i) = (int(splits), int(n_heads), int(head_dim));
+            let mut b = self
+                .stream()
+                .launch_builder(self.f("kiln_attention_combine")?);
+            b.arg(&*part_acc)
+                .arg(&*part_ml)
+                .arg(&splits_i)
+                .arg(&heads_i)
+                .arg(&hd_i)
+                .arg(&mut out.data);
+            // SAFETY: as attention.cu declares: grid (tokens, heads), head_dim threads.
+            unsafe { b.launch(cfg((n, n_heads, 1), head_dim, 0)) }
+                .map_err(dev("attention combine launch"))?;
+        }
+        Ok(())
+    }
+
+    fn store_kv(
+        &self,
+        qkv: &CudaBuffer,
+        kv: &mut CudaKvStore,
+        layer: usize,
+        meta: &CudaStepMeta<'_>,
+        q_width: usize,
+    ) -> Result<()> {
+        if meta.n_tokens == 0 {
+            return Ok(());
+        }
+        if layer >= kv.n_layers || q_width + 2 * kv.width > qkv.cols {
+            return Err(Error::Device(format!(
+                "store_kv: layer {layer} of {}, rows of {} values for q {q_width} and K/V {}",
+                kv.n_layers, qkv.cols, kv.width
+            )));
+        }
+        let plane = kv.plane_len();
+        let mut layer_planes = kv
+            .cache
+            .slice_mut(2 * layer * plane..(2 * layer + 2) * plane);
+        let (mut k_plane, mut v_plane) = layer_planes.split_at_mut(plane);
+        let ints = [int(qkv.cols), int(q_width), int(q_width + kv.width)];
+        let width = int(kv.width);
+        let mut b = self.stream().launch_builder(self.f("kiln_kv_write_bf16")?);
+        b.arg(&qkv.data);
+        for a in &ints {
+            b.arg(a);
+        }
+        b.arg(&meta.slots)
+            .arg(&mut k_plane)
+            .arg(&mut v_plane)
+            .arg(&width);
+        // SAFETY: as attention.cu declares: one block per token; slots lie inside the planes
+        // (host_step_meta derives them from the block tables the scheduler allocated).
+        unsafe { b.launch(cfg((meta.n_tokens, 1, 1), 128, 0)) }.map_err(dev("kv write launch"))?;
+        Ok(())
+    }
+
+    fn move_kv(
+        &self,
+        kv: &mut CudaKvStore,
+        block_table: &[u32],
+        moves: &[(usize, usize)],
+    ) -> Result<()> {
+        if moves.is_empty() {
+            return Ok(());
+        }
+        let block_size = self.block_size()?;
+        let slot = |pos: usize| -> Result<i32> {
+            let block = block_table.get(pos / block_size).ok_or_else(|| {
+                Error::InvalidRequest(format!("move_kv: position {pos} past the block table"))
+            })?;
+            Ok(int(*block as usize * block_size + pos % block_size))
+        };
+        let from: Vec<i32> = moves.iter().map(|m| slot(m.0)).collect::<Result<_>>()?;
+        let to: Vec<i32> = moves.iter().map(|m| slot(m.1)).collect::<Result<_>>()?;
+        let (from_d, to_d) = (self.upload(&from)?, self.upload(&to)?);
+        let (plane, width, n) = (kv.plane_len() as i64, int(kv.width), int(moves.len()));
+        let mut b = self.stream().launch_builder(self.f("kiln_kv_move_bf16")?);
+        b.arg(&mut kv.cache)
+            .arg(&plane)
+            .arg(&width)
+            .arg(&from_d)
+            .arg(&to_d)
+            .arg(&n);
+        // SAFETY: as attention.cu declares: one block per plane (2 per layer).
+        unsafe { b.launch(cfg((2 * kv.n_layers, 1, 1), 256, 0)) }.map_err(dev("kv move launch"))?;
+        Ok(())
+    }
+
+    fn silu_mul(&self, gu: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+        let h = gu.cols / 2;
+        self.shape(out, gu.rows, h)?;
+        let total = gu.rows * h;
+        if total == 0 {
+            return Ok(());
+        }
+        let (rows, width) = (int(gu.rows), int(h));
+        let mut b = self.stream().launch_builder(self.f("kiln_silu_mul_bf16")?);
+        b.arg(&gu.data).arg(&mut out.data).arg(&rows).arg(&width);
+        // SAFETY: as mlp.cu declares: one thread per output value.
+        unsafe { b.launch(cfg((total.div_ceil(256), 1, 1), 256, 0)) }
+            .map_err(dev("silu_mul launch"))?;
+        Ok(())
+    }
+
+    fn add(&self, x: &mut CudaBuffer, y: &CudaBuffer) -> Result<()> {
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(Error::Device(format!(
+                "add: [{}, {}] += [{}, {}]",
+                x.rows, x.cols, y.rows, y.cols
+            )));
+        }
+        let n = x.rows * x.cols;
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = n as i64;
+        let mut b = self.stream().launch_builder(self.f("kiln_add_bf16")?);
+        b.arg(&mut x.data).arg(&y.data).arg(&n_i);
+        // SAFETY: as elementwise.cu declares: one thread per value.
+        unsafe { b.launch(cfg((n.div_ceil(256), 1, 1), 256, 0)) }.map_err(dev("add launch"))?;
+        Ok(())
+    }
+
+    fn copy_columns(
+        &self,
+        src: &CudaBuffer,
+        src_col: usize,
+        dst: &mut CudaBuffer,
+        dst_col: usize,
+        width: usize,
+    ) -> Result<()> {
+        if src.rows != dst.rows || src_col + width > src.cols || dst_col + width > dst.cols {
+            return Err(Error::Device("copy_columns: shapes do not match".into()));
+        }
+        if src.rows == 0 || width == 0 {
+            return Ok(());
+        }
+        let ints = [
+            int(src.cols),
+            int(src_col),
+            int(dst.cols),
+            int(dst_col),
+            int(width),
+        ];
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_copy_columns_bf16")?);
+        b.arg(&src.data)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&mut dst.data)
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&ints[4]);
+        // SAFETY: as elementwise.cu declares; the column ranges were checked above.
+        unsafe { b.launch(cfg((width.div_ceil(256), src.rows, 1), 256, 0)) }
+            .map_err(dev("copy_columns launch"))?;
+        Ok(())
+    }
+
+    fn scale_columns(
+        &self,
+        x: &mut CudaBuffer,
+        col: usize,
+        width: usize,
+        factor: f32,
+    ) -> Result<()> {
+        if x.rows == 0 || width == 0 {
+            return Ok(());
+        }
+        let ints = [int(x.cols), int(col), int(width)];
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_scale_columns_bf16")?);
+        b.arg(&mut x.data)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&factor);
+        // SAFETY: as elementwise.cu declares.
+        unsafe { b.launch(cfg((width.div_ceil(256), x.rows, 1), 256, 0)) }
+            .map_err(dev("scale_columns launch"))?;
+        Ok(())
+    }
+
+    fn scatter_add_rows(
+        &self,
+        dst: &mut CudaBuffer,
+        rows: &[usize],
+        src: &CudaBuffer,
+        weights: &[f32],
+    ) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        if rows.len() != weights.len()
+            || src.rows < rows.len()
+            || src.cols != dst.cols
+            || rows.iter().any(|&r| r >= dst.rows)
+        {
+            return Err(Error::Device(
+                "scatter_add_rows: shapes do not match".into(),
+            ));
+        }
+        let rows_i: Vec<i32> = rows.iter().map(|&r| int(r)).collect();
+        let (rows_d, w_d) = (self.upload(&rows_i)?, self.upload(weights)?);
+        let (width, n) = (int(dst.cols), int(rows.len()));
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_scatter_add_rows_bf16")?);
+        b.arg(&mut dst.data)
+            .arg(&src.data)
+            .arg(&width)
+            .arg(&rows_d)
+            .arg(&w_d)
+            .arg(&n);
+        // SAFETY: as elementwise.cu declares; rows were checked against dst above.
+        unsafe { b.launch(cfg((dst.cols.div_ceil(256), 1, 1), 256, 0)) }
+            .map_err(dev("scatter_add_rows launch"))?;
+        Ok(())
+    }
+
+    fn gather_rows(&self, x: &CudaBuffer, rows: &[usize]) -> Result<CudaBuffer> {
+        let mut out = self.buffer(rows.len(), x.cols)?;
+        if rows.is_empty() || x.cols == 0 {
+            return Ok(out);
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(Error::Device(format!(
+                "gather_rows: row {bad} of {}",
+                x.rows
+            )));
+        }
+        let rows_i: Vec<i32> = rows.iter().map(|&r| int(r)).collect();
+        let rows_d = self.upload(&rows_i)?;
+        let width = int(x.cols);
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_gather_rows_bf16")?);
+        b.arg(&x.data).arg(&width).arg(&rows_d).arg(&mut out.data);
+        // SAFETY: as elementwise.cu declares: one block per gathered row.
+        unsafe { b.launch(cfg((rows.len(), 1, 1), 256, 0)) }.map_err(dev("gather_rows launch"))?;
+        Ok(out)
+    }
+
+    fn to_host(&self, x: &CudaBuffer) -> Result<Vec<f32>> {
+        let n = x.rows * x.cols;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let host = self
+            .stream()
+            .clone_dtoh(&x.data.slice(0..n))
+            .map_err(dev("copy to the host"))?;
+        Ok(host.iter().map(|v| v.to_f32()).collect())
+    }
+
+    fn all_reduce_sum(&self, x: &mut CudaBuffer, comm: &dyn Communicator) -> Result<()> {
+        if comm.world() == 1 {
+            return Ok(());
+        }
+        // Tensor parallelism across GPUs goes over NCCL on device buffers (not built yet); a
+        // host communicator works through host copies, correct but slow.
+        let mut host = self.to_host(x)?;
+        comm.all_reduce_sum(&mut host)?;
+        let n = host.len();
+        self.stream()
+            .memcpy_htod(&to_bf16(&host), &mut x.data.slice_mut(0..n))
+            .map_err(dev("copy to the device"))
+    }
+}
