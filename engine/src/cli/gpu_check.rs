@@ -1,5 +1,6 @@
 //! `kiln gpu-check` (built with `--features cuda`): every CUDA kernel against its CPU reference on
-//! device 0, fresh random inputs each run, then the NCCL all-reduce sweep over every visible GPU;
+//! device 0, then every op of the CUDA backend against the CPU backend through the op trait, fresh
+//! random inputs each run, then the NCCL all-reduce sweep over every visible GPU;
 //! tables on stdout, JSON with `--json`, non-zero exit on any mismatch or a failed sweep. `engine/benches/gpu-check.sh` runs it on a lent GPU machine.
 
 use std::path::PathBuf;
@@ -24,14 +25,19 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             .unwrap_or(0)
     });
     println!("seed {seed}");
-    let results = kiln::backend::cuda::parity::run(seed).map_err(|e| anyhow::anyhow!(e))?;
+    let mut results = kiln::backend::cuda::parity::run(seed).map_err(|e| anyhow::anyhow!(e))?;
+    let backend = kiln::backend::cuda::CudaBackend::open(0)?;
+    results.extend(
+        kiln::backend::cuda::op_parity::compare(&backend, seed)
+            .context("the CUDA backend against the CPU backend")?,
+    );
     println!(
-        "{:<16} {:<34} {:>10} {:>9}  result",
+        "{:<16} {:<44} {:>10} {:>9}  result",
         "op", "case", "error", "tolerance"
     );
     for r in &results {
         println!(
-            "{:<16} {:<34} {:>10.3e} {:>9.1e}  {}",
+            "{:<16} {:<44} {:>10.3e} {:>9.1e}  {}",
             r.op,
             r.case,
             r.error,

@@ -7,6 +7,7 @@ mod backend;
 pub mod gpu;
 pub mod kernels;
 mod nccl_sweep;
+pub mod op_parity;
 pub mod parity;
 mod probe;
 

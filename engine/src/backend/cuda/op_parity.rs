@@ -1,0 +1,313 @@
+//! The CUDA backend against the CPU backend, op by op, through the op trait itself: the same
+//! inputs (rounded to bf16 first, so both start from the values the GPU stores) go through
+//! `CpuBackend` in exact mode and through `CudaBackend`, and the outputs are compared. This checks
+//! what the kernel-level cases in [`super::parity`] cannot: the backend's argument order, strides,
+//! buffer shapes, the step metadata (slots, block tables, tree rows), KV planes, split-K
+//! attention and the cuBLASLt GEMM layout.
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::parity::OpParity;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TreeMask};
+use crate::error::Result;
+use crate::weights::TensorView;
+
+/// bf16 outputs of f32-accumulated arithmetic: a few roundings of 2^-9, relative to the range.
+const TOL: f64 = 1e-2;
+
+fn random(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| bf16::from_f32(rng.random_range(-scale..scale)).to_f32())
+        .collect()
+}
+
+fn view(name: &str, rows: usize, cols: usize, values: &[f32]) -> Result<TensorView> {
+    TensorView::from_f32(name.into(), "op-parity".into(), vec![rows, cols], values)
+}
+
+fn vector_view(name: &str, values: &[f32]) -> Result<TensorView> {
+    TensorView::from_f32(name.into(), "op-parity".into(), vec![values.len()], values)
+}
+
+/// A buffer holding `values` on any backend: the rows of a matrix, gathered by `embed`.
+fn buffer<B: Backend>(b: &B, rows: usize, cols: usize, values: &[f32]) -> Result<B::Buffer> {
+    let table = b.matrix(&[view("input", rows, cols, values)?], Precision::Exact)?;
+    let mut out = b.buffer(0, 0)?;
+    let ids: Vec<u32> = (0..rows as u32).collect();
+    b.embed(&table, &ids, &mut out)?;
+    Ok(out)
+}
+
+/// Every case's output on one backend, in order, with its name. Deterministic in `seed`.
+fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::new();
+
+    // GEMM: one decode row and a prefill chunk, through cuBLASLt's column-major view.
+    for n in [1usize, 37] {
+        let (rows, cols) = (384usize, 256usize);
+        let w = random(&mut rng, rows * cols, 0.1);
+        let x = random(&mut rng, n * cols, 1.0);
+        let wm = b.matrix(&[view("w", rows, cols, &w)?], Precision::Exact)?;
+        let xb = buffer(b, n, cols, &x)?;
+        let mut y = b.buffer(0, 0)?;
+        b.matmul(&xb, &wm, &mut y)?;
+        out.push((
+            format!("matmul {n}x{cols} * {rows}x{cols}^T"),
+            b.to_host(&y)?,
+        ));
+    }
+
+    // Bias, norms, activation, residual add.
+    let (rows, width) = (5usize, 320usize);
+    let x = random(&mut rng, rows * width, 2.0);
+    let bias = random(&mut rng, 64, 1.0);
+    let w = random(&mut rng, width, 1.5);
+    let mut xb = buffer(b, rows, width, &x)?;
+    b.add_bias(&mut xb, &b.vector_from_host(&bias)?, 128)?;
+    out.push(("add_bias at column 128".into(), b.to_host(&xb)?));
+    let mut normed = b.buffer(0, 0)?;
+    b.rms_norm(
+        &xb,
+        &b.vector(&vector_view("norm", &w)?)?,
+        1e-5,
+        &mut normed,
+    )?;
+    out.push(("rms_norm".into(), b.to_host(&normed)?));
+    let hw = random(&mut rng, 64, 1.5);
+    b.head_rms_norm(&mut xb, &b.vector_from_host(&hw)?, 1e-6, 64, 4, 64)?;
+    out.push(("head_rms_norm 4 heads at column 64".into(), b.to_host(&xb)?));
+    let mut act = b.buffer(0, 0)?;
+    b.silu_mul(&xb, &mut act)?;
+    out.push(("silu_mul".into(), b.to_host(&act)?));
+    let y = buffer(b, rows, width / 2, &random(&mut rng, rows * width / 2, 1.0))?;
+    b.add(&mut act, &y)?;
+    out.push(("add".into(), b.to_host(&act)?));
+    b.scale_columns(&mut act, 16, 40, 0.37)?;
+    out.push(("scale_columns".into(), b.to_host(&act)?));
+    b.copy_columns(&xb, 200, &mut act, 8, 100)?;
+    out.push(("copy_columns".into(), b.to_host(&act)?));
+    let gathered = b.gather_rows(&xb, &[4, 0, 4, 2])?;
+    out.push(("gather_rows".into(), b.to_host(&gathered)?));
+    let mut dst = buffer(b, rows, width, &x)?;
+    b.scatter_add_rows(&mut dst, &[3, 1, 3, 0], &gathered, &[0.5, -1.0, 0.25, 2.0])?;
+    out.push(("scatter_add_rows (a row twice)".into(), b.to_host(&dst)?));
+
+    // RoPE on q and k heads of a fused row, both layouts, YaRN-style scaling.
+    for interleaved in [false, true] {
+        let (heads, hd) = (3usize, 64usize);
+        let width = heads * hd + 2 * hd;
+        let positions: Vec<usize> = vec![0, 7, 130, 4095];
+        let mut qkv = buffer(
+            b,
+            positions.len(),
+            width,
+            &random(&mut rng, positions.len() * width, 1.0),
+        )?;
+        let spec = RopeSpec {
+            head_dim: hd,
+            rope_dim: hd,
+            interleaved,
+            inv_freq: (0..hd / 2)
+                .map(|i| 1.0 / 500000f32.powf(2.0 * i as f32 / hd as f32))
+                .collect(),
+            position_scale: 2.0,
+            attention_factor: 1.1,
+        };
+        let table = [0u32, 1];
+        let spans = [SeqSpan {
+            first_token: 0,
+            n_tokens: positions.len(),
+            start_pos: 0,
+            block_table: &table,
+            tree: None,
+        }];
+        // The metadata needs a KV store's block size on the GPU.
+        let _kv = b.kv_store(1, 512, 16, hd, Precision::Exact)?;
+        let meta = b.step_meta(&positions, &spans)?;
+        b.rope(&mut qkv, 0, heads, &meta, &spec)?;
+        b.rope(&mut qkv, heads * hd, 1, &meta, &spec)?;
+        out.push((
+            format!(
+                "rope ({})",
+                if interleaved {
+                    "interleaved"
+                } else {
+                    "half-split"
+                }
+            ),
+            b.to_host(&qkv)?,
+        ));
+    }
+
+    out.extend(attention(b, &mut rng)?);
+    Ok(out)
+}
+
+/// Paged attention through the step metadata: a 600-token prefill in chunks, then one step with
+/// that sequence decoding (long enough that the GPU splits it), a second sequence prefilling
+/// causally and a third verifying a 5-node tree; then tree KV moves and one more decode.
+fn attention<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
+    let (heads, kv_heads, hd, block) = (8usize, 2usize, 64usize, 16usize);
+    let (q_w, kv_w) = (heads * hd, kv_heads * hd);
+    let width = q_w + 2 * kv_w;
+    let mut kv = b.kv_store(2, 64, block, kv_w, Precision::Exact)?;
+    // Scattered blocks: sequence A 0..38, B 40..42, C 50..52 in a shuffled order.
+    let table_a: Vec<u32> = (0..38).map(|i| (i * 7 + 3) % 38).collect();
+    let table_b: Vec<u32> = vec![41, 40];
+    let table_c: Vec<u32> = vec![50, 52];
+    let mut out = Vec::new();
+    let mut attn = b.buffer(0, 0)?;
+
+    let step = |kv: &mut B::KvStore,
+                attn: &mut B::Buffer,
+                layer: usize,
+                positions: &[usize],
+                spans: &[SeqSpan<'_>],
+                rng: &mut ChaCha8Rng|
+     -> Result<Vec<f32>> {
+        let qkv = buffer(
+            b,
+            positions.len(),
+            width,
+            &random(rng, positions.len() * width, 1.0),
+        )?;
+        let meta = b.step_meta(positions, spans)?;
+        b.attention(&qkv, kv, layer, &meta, heads, kv_heads, hd, attn)?;
+        b.to_host(attn)
+    };
+
+    // A's prefill, two chunks, in layer 1 (layer 0 stays empty: planes must not mix).
+    for (start, len) in [(0usize, 350usize), (350, 250)] {
+        let positions: Vec<usize> = (start..start + len).collect();
+        let spans = [SeqSpan {
+            first_token: 0,
+            n_tokens: len,
+            start_pos: start,
+            block_table: &table_a,
+            tree: None,
+        }];
+        let o = step(&mut kv, &mut attn, 1, &positions, &spans, rng)?;
+        out.push((format!("attention prefill chunk at {start}"), o));
+    }
+    // Mixed: A decodes at 600, B prefills 3 causally, C verifies a tree of 5 after 2 accepted.
+    let tree_rows: [u64; 5] = [0b1, 0b11, 0b101, 0b1011, 0b10101];
+    let mut positions = vec![600usize];
+    positions.extend(0..3);
+    positions.extend(2..7);
+    let spans = [
+        SeqSpan {
+            first_token: 0,
+            n_tokens: 1,
+            start_pos: 600,
+            block_table: &table_a,
+            tree: None,
+        },
+        SeqSpan {
+            first_token: 1,
+            n_tokens: 3,
+            start_pos: 0,
+            block_table: &table_b,
+            tree: None,
+        },
+        SeqSpan {
+            first_token: 4,
+            n_tokens: 5,
+            start_pos: 2,
+            block_table: &table_c,
+            tree: Some(TreeMask {
+                base: 2,
+                rows: &tree_rows,
+            }),
+        },
+    ];
+    // C's accepted prefix (positions 0 and 1) first.
+    let c_prefix = [SeqSpan {
+        first_token: 0,
+        n_tokens: 2,
+        start_pos: 0,
+        block_table: &table_c,
+        tree: None,
+    }];
+    out.push((
+        "attention C prefix".into(),
+        step(&mut kv, &mut attn, 1, &[0, 1], &c_prefix, rng)?,
+    ));
+    out.push((
+        "attention decode (split) + causal + tree".into(),
+        step(&mut kv, &mut attn, 1, &positions, &spans, rng)?,
+    ));
+    // C accepted nodes 0, 2, 4 (positions 2, 4, 6): they move to 2, 3, 4, then C decodes at 5.
+    b.move_kv(&mut kv, &table_c, &[(4, 3), (6, 4)])?;
+    let c_next = [SeqSpan {
+        first_token: 0,
+        n_tokens: 1,
+        start_pos: 5,
+        block_table: &table_c,
+        tree: None,
+    }];
+    out.push((
+        "attention after tree KV moves".into(),
+        step(&mut kv, &mut attn, 1, &[5], &c_next, rng)?,
+    ));
+    Ok(out)
+}
+
+/// max |a - b| relative to max |b|; NaN or a length mismatch is an infinite error.
+fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() || a.iter().any(|x| !x.is_finite()) {
+        return f64::INFINITY;
+    }
+    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y).abs() / scale) as f64)
+        .fold(0.0, f64::max)
+}
+
+/// Runs every case on the CPU backend (exact mode) and on `gpu`, comparing outputs.
+pub fn compare<G: Backend>(gpu: &G, seed: u64) -> Result<Vec<OpParity>> {
+    let cpu = CpuBackend::with_threads(2);
+    let want = outputs(&cpu, seed)?;
+    let got = outputs(gpu, seed)?;
+    Ok(want
+        .into_iter()
+        .zip(got)
+        .map(|((case, w), (_, g))| {
+            let error = rel_error(&g, &w);
+            OpParity {
+                op: "backend".into(),
+                case,
+                error,
+                tolerance: TOL,
+                pass: error <= TOL,
+            }
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The harness itself is valid input for a backend: every case runs on the CPU backend and
+    /// gives finite values (a malformed span or shape here would fail the GPU check for the
+    /// wrong reason).
+    #[test]
+    fn every_case_runs_on_the_cpu_backend() {
+        let cpu = CpuBackend::with_threads(2);
+        let out = outputs(&cpu, 7).expect("the cases run");
+        assert_eq!(out.len(), 18);
+        for (case, values) in &out {
+            assert!(
+                !values.is_empty() && values.iter().all(|v| v.is_finite()),
+                "{case}"
+            );
+        }
+        let again = outputs(&cpu, 7).expect("the cases run");
+        assert_eq!(rel_error(&again[0].1, &out[0].1), 0.0);
+    }
+}
