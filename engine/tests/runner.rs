@@ -25,6 +25,7 @@ fn runner(spec: SpecConfig) -> Box<dyn ModelRunner> {
         tensor_parallel: 1,
         collective_timeout: std::time::Duration::from_secs(60),
         draft_model: None,
+        mem_fraction: None,
         runner: RunnerConfig {
             kv_tokens: 1024,
             block_size: BLOCK,

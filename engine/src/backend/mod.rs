@@ -94,6 +94,11 @@ pub trait Backend: Send + Sync {
         Self: 'a;
 
     fn name(&self) -> &'static str;
+    /// A device backend's memory (free and total bytes), for sizing the KV pool from
+    /// `--mem-fraction-static`; `None` on the host.
+    fn memory(&self) -> Option<crate::runner::memory::DeviceMemory> {
+        None
+    }
     /// The backend and what it runs on, for logs and `kiln generate`'s summary line.
     fn describe(&self) -> String {
         self.name().to_string()

@@ -9,7 +9,7 @@ use kiln::backend::Precision;
 use kiln::backend::TREE_MAX_POSITIONS;
 use kiln::catalog::DEFAULT_MODEL;
 use kiln::lock::DriftPolicy;
-use kiln::runner::Device;
+use kiln::runner::{Device, KvSize};
 use kiln::server::state::{Canary, LockGuard, ServeOptions};
 use kiln::speculation::{SpecConfig, SpecMethod, SpecPolicy};
 use serde::{Deserialize, Serialize};
@@ -78,9 +78,15 @@ pub struct ServeArgs {
     /// Compute threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
-    /// KV cache size in tokens, shared by all running sequences [default: 32768].
+    /// KV cache size in tokens, shared by all running sequences [default: 32768 on the CPU; on
+    /// a GPU, what --mem-fraction-static leaves].
     #[arg(long)]
     kv_tokens: Option<usize>,
+    /// GPU only (SGLang's meaning): the fraction of the GPU's total memory for the weights plus
+    /// the KV pool; the pool gets what the weights leave of it. --kv-tokens wins when given
+    /// [default: 0.85].
+    #[arg(long)]
+    mem_fraction_static: Option<f64>,
     /// Tokens per KV block [default: 16].
     #[arg(long)]
     block_size: Option<usize>,
@@ -165,7 +171,6 @@ host = "127.0.0.1"
 port = 8000
 mode = "fast"
 device = "cpu"
-kv-tokens = 32768
 block-size = 16
 max-running = 64
 max-step-tokens = 512
@@ -246,11 +251,14 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
     let host = given("host", a.host.clone())?;
     let port = given("port", a.port)?;
     let block_size = positive("block-size", a.block_size)?;
-    let kv_tokens = positive("kv-tokens", a.kv_tokens)?;
-    anyhow::ensure!(
-        kv_tokens >= block_size,
-        "--kv-tokens ({kv_tokens}) must hold at least one block ({block_size})"
-    );
+    let device = given("device", a.device)?;
+    if let Some(t) = a.kv_tokens {
+        anyhow::ensure!(
+            t >= block_size,
+            "--kv-tokens ({t}) must hold at least one block ({block_size})"
+        );
+    }
+    let kv = KvSize::choose(device == Device::Cuda, a.kv_tokens, a.mem_fraction_static)?;
     let spec = SpecConfig {
         method: given("speculative-algorithm", a.speculative_algorithm)?,
         num_steps: positive("speculative-num-steps", a.speculative_num_steps)?,
@@ -338,9 +346,9 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         port,
         api_key,
         precision: given("mode", a.mode)?,
-        device: given("device", a.device)?,
+        device,
         threads: a.threads,
-        kv_tokens,
+        kv,
         block_size,
         max_running: positive("max-running", a.max_running)?,
         max_step_tokens: positive("max-step-tokens", a.max_step_tokens)?,
@@ -548,8 +556,8 @@ mod tests {
         })
         .expect("resolve");
         assert_eq!(
-            (o.host.as_str(), o.port, o.kv_tokens),
-            ("127.0.0.1", 8000, 32768)
+            (o.host.as_str(), o.port, o.kv),
+            ("127.0.0.1", 8000, KvSize::Tokens(32768))
         );
         assert_eq!(o.spec.num_draft_tokens, o.spec.num_steps + 1);
     }

@@ -77,6 +77,7 @@ fn why(key: &str) -> &'static str {
         "mode" => "fast: quantized weights and two-level 8-bit activations; exact: f32 throughout",
         "threads" => "compute threads",
         "kv-tokens" => "KV cache size in tokens, shared by all running sequences",
+        "mem-fraction-static" => "fraction of the GPU's memory for the weights plus the KV pool",
         "block-size" => "tokens per paged KV block",
         "max-running" => "sequences batched in one step, at most",
         "max-step-tokens" => "tokens per step (decode plus chunked prefill), at most",

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::device::{Device, WithBackend};
+use super::memory::kv_tokens_for_fraction;
 use super::{ModelInfo, ModelRunner, Runner, RunnerConfig};
 use crate::backend::{Backend, Precision};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::load::load_model_shard;
 use crate::model::Eagle3Draft;
 use crate::parallel::{PeerConfig, Shard, TpGroup};
@@ -28,6 +29,9 @@ pub struct LoadSpec {
     pub collective_timeout: Duration,
     /// The EAGLE-3 draft head's directory.
     pub draft_model: Option<PathBuf>,
+    /// `--mem-fraction-static`: when set, `runner.kv_tokens` is replaced by what this fraction of
+    /// the device's memory leaves after the weights (measured once they are on it).
+    pub mem_fraction: Option<f64>,
     pub runner: RunnerConfig,
 }
 
@@ -76,6 +80,8 @@ impl WithBackend for Job<'_> {
             per_rank,
         } = self;
         let world = spec.tensor_parallel.max(1);
+        let mut runner_cfg = spec.runner;
+        let before = backend.memory();
         // Ranks 1.. load their shards on their own threads first; any failure stops the start.
         let tp = if world > 1 {
             status(format!("loading ranks 1..{world} of tensor parallelism"));
@@ -84,7 +90,7 @@ impl WithBackend for Job<'_> {
                 model: spec.model.clone(),
                 precision: spec.precision,
                 threads_per_rank: per_rank,
-                n_blocks: spec.runner.n_blocks(),
+                n_blocks: runner_cfg.n_blocks(),
                 block_size: spec.runner.block_size,
             };
             Some(TpGroup::spawn(cfg, world, spec.collective_timeout)?)
@@ -116,6 +122,30 @@ impl WithBackend for Job<'_> {
             }
             None => None,
         };
+        if let Some(fraction) = spec.mem_fraction {
+            let (Some(before), Some(after)) = (before, model.backend.memory()) else {
+                return Err(Error::Device(
+                    "--mem-fraction-static needs a device that reports its memory".into(),
+                ));
+            };
+            let c = model.config();
+            // bf16 K and V cells of every layer, and of the draft head's layer.
+            let draft_width = draft.as_ref().map_or(0, |d| d.kv_width());
+            let per_token = (c.n_layers * model.model.local_kv_width() + draft_width) * 2 * 2;
+            let weights = before.free.saturating_sub(after.free);
+            runner_cfg.kv_tokens = kv_tokens_for_fraction(
+                after.total,
+                fraction,
+                weights,
+                per_token,
+                runner_cfg.block_size,
+            )?;
+            status(format!(
+                "weights take {:.2} GiB; --mem-fraction-static {fraction} leaves {} KV tokens",
+                weights as f64 / (1u64 << 30) as f64,
+                runner_cfg.kv_tokens
+            ));
+        }
         let info = Arc::new(ModelInfo {
             name: model.name.clone(),
             config: model.config().clone(),
@@ -124,7 +154,7 @@ impl WithBackend for Job<'_> {
             device: spec.device,
             backend: model.backend.describe(),
         });
-        let runner = Runner::new(model, info.clone(), spec.runner, tp, draft)?;
+        let runner = Runner::new(model, info.clone(), runner_cfg, tp, draft)?;
         Ok((Box::new(runner), info))
     }
 }

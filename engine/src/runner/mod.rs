@@ -15,6 +15,7 @@ mod accept;
 pub mod device;
 mod drafter;
 pub mod load;
+pub mod memory;
 mod model_runner;
 pub mod plan;
 
@@ -22,6 +23,7 @@ use std::sync::Arc;
 
 pub use device::{Device, WithBackend};
 pub use load::{LoadSpec, load};
+pub use memory::KvSize;
 pub use model_runner::Runner;
 pub use plan::{SeqOutput, SeqParams, SeqPlan, StepOutput, StepPlan, TokenMask};
 

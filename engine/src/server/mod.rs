@@ -31,7 +31,7 @@ use axum::routing::{get, post};
 use tokio::net::TcpListener;
 
 use crate::batching::{self, EngineConfig, EngineRequest, Event, RequestParams};
-use crate::runner::{self, LoadSpec, ModelInfo, RunnerConfig};
+use crate::runner::{self, KvSize, LoadSpec, ModelInfo, RunnerConfig};
 
 /// How long a tensor-parallel collective waits for a stalled rank before the group fails (a
 /// healthy step keeps every rank within milliseconds of the others).
@@ -168,8 +168,16 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         tensor_parallel: opts.tensor_parallel,
         collective_timeout: TP_COLLECTIVE_TIMEOUT,
         draft_model: opts.draft_model.clone(),
+        mem_fraction: match opts.kv {
+            KvSize::MemoryFraction(f) => Some(f),
+            KvSize::Tokens(_) => None,
+        },
         runner: RunnerConfig {
-            kv_tokens: opts.kv_tokens,
+            kv_tokens: match opts.kv {
+                KvSize::Tokens(t) => t,
+                // Measured at load.
+                KvSize::MemoryFraction(_) => 0,
+            },
             block_size: opts.block_size,
             max_step_tokens: opts.max_step_tokens,
             spec: opts.spec,
@@ -182,21 +190,20 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
             .context("the loading thread failed")?
             .with_context(|| format!("loading {}", state.opts.model_path.display()))?;
     let opts = &state.opts;
+    let kv_tokens = {
+        let (blocks, block_size) = runner.kv_layout();
+        blocks * block_size
+    };
     let context = info.config.max_context;
     let max_model_len = opts
         .max_model_len
         .unwrap_or(context)
         .min(context)
-        .min(opts.kv_tokens);
-    if opts.kv_tokens < opts.max_model_len.unwrap_or(context).min(context) {
+        .min(kv_tokens);
+    if kv_tokens < opts.max_model_len.unwrap_or(context).min(context) {
         tracing::warn!("max_model_len capped at {max_model_len} tokens by the KV cache size");
     }
-    tracing::info!(
-        "{} on {}: {} KV tokens",
-        info.name,
-        info.backend,
-        opts.kv_tokens
-    );
+    tracing::info!("{} on {}: {kv_tokens} KV tokens", info.name, info.backend);
     let cfg = EngineConfig {
         max_running: opts.max_running,
         max_step_tokens: opts.max_step_tokens,
@@ -212,6 +219,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         engine,
         model_id,
         max_model_len,
+        kv_tokens,
         max_queue: opts.max_queue,
         max_n: opts.max_n,
         created: unix_now(),

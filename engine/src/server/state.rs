@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::backend::Precision;
 use crate::batching::EngineHandle;
 use crate::metrics::Metrics;
-use crate::runner::{Device, ModelInfo};
+use crate::runner::{Device, KvSize, ModelInfo};
 
 /// `kiln serve`'s settings, resolved from flags and the config file.
 #[derive(Clone, Debug)]
@@ -24,7 +24,8 @@ pub struct ServeOptions {
     /// Where the model runs (`--device`).
     pub device: Device,
     pub threads: Option<usize>,
-    pub kv_tokens: usize,
+    /// What sizes the KV cache (`--kv-tokens`, or on a GPU `--mem-fraction-static`).
+    pub kv: KvSize,
     pub block_size: usize,
     pub max_running: usize,
     pub max_step_tokens: usize,
@@ -81,6 +82,8 @@ pub struct Ready {
     pub engine: EngineHandle,
     pub model_id: String,
     pub max_model_len: usize,
+    /// Tokens the KV cache holds (as the runner sized it).
+    pub kv_tokens: usize,
     pub max_queue: usize,
     pub max_n: usize,
     /// Unix seconds when the model became ready (`created` in /v1/models).

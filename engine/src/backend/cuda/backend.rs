@@ -166,11 +166,6 @@ impl CudaBackend {
         }
     }
 
-    /// Free and total device memory, in bytes.
-    pub fn memory(&self) -> Result<(usize, usize)> {
-        self.gpu.ctx.mem_get_info().map_err(dev("memory query"))
-    }
-
     /// Gives `buf` the shape `[rows, cols]`, reallocating only when it has to grow.
     fn shape(&self, buf: &mut CudaBuffer, rows: usize, cols: usize) -> Result<()> {
         if rows * cols > buf.data.len() {
@@ -326,6 +321,11 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn memory(&self) -> Option<crate::runner::memory::DeviceMemory> {
+        let (free, total) = self.gpu.ctx.mem_get_info().ok()?;
+        Some(crate::runner::memory::DeviceMemory { free, total })
     }
 
     fn describe(&self) -> String {

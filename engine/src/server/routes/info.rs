@@ -48,7 +48,7 @@ pub async fn model_info(State(state): State<Shared>) -> Response {
             "device": r.model.device,
             "backend": r.model.backend,
             "eos_token_ids": r.model.tokenizer.eos_ids,
-            "kv_cache_tokens": state.opts.kv_tokens,
+            "kv_cache_tokens": r.kv_tokens,
             "max_running_requests": state.opts.max_running,
         }))
         .into_response()
