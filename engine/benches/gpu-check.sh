@@ -1,35 +1,74 @@
 #!/usr/bin/env bash
-# The GPU check for a lent device (one call, well under 10 minutes). Runs in the repository root.
+# The GPU check for a lent device: one call, about 5 minutes on an H100 or H200. Runs in the
+# repository root on a bare GPU machine with python3 (torch, transformers, safetensors, tokenizers,
+# the NVIDIA wheels) and no network.
 #
 #   KILN_BIN=path/to/kiln  bash engine/benches/gpu-check.sh
 #
-# The device machine has no registry access, so either it has a Rust toolchain and the cargo
-# registry cached, or KILN_BIN points at a `--features cuda` binary built elsewhere and carried
-# (`cargo build --release --features cuda`, then strip it to fit the carry limit).
-# Results: a table on stdout, JSON in $OUT (default ./gpu-check-out).
+# KILN_BIN: a `--features cuda` release build made elsewhere and carried, stripped to fit the
+# carry limit:  cargo build --release --features cuda && strip -o carry/kiln target/release/kiln
+# Without it the script builds one (needs cargo and the crates cached). Every model it uses is
+# generated here. Results: tables on stdout as it goes, JSON under $OUT (default ./gpu-check-out).
 #
-# What it checks today: the driver and libraries as kiln loads them (`kiln doctor`), and every CUDA
-# kernel against its CPU reference on fresh random inputs with poisoned outputs (`kiln gpu-check`).
-# Not yet: end-to-end greedy parity and decode tok/s against the HBM roofline, which need the CUDA
-# backend behind the op trait (not built).
-set -euo pipefail
+# 1. nvidia-smi and the CUDA libraries found (NVRTC, cuBLASLt, NCCL);
+# 2. kiln doctor, then kiln gpu-check: every kernel against a CPU reference, every op of the CUDA
+#    backend against the CPU backend through the op trait, the NCCL all-reduce sweep;
+# 3. gpu_check.py: tiny Llama 3 / Qwen2 / Qwen3 / Mistral served with --device cuda against
+#    transformers on the GPU (greedy tokens, logprobs), then decode and prefill speed of a
+#    Llama-3-8B-shaped model against its roofline and transformers, and kiln serve under kiln bench
+#    at C = 1, 8, 64 with and without n-gram speculation. SKIP_SPEED=1 stops after parity.
+set -uo pipefail
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.csv"
+status=0
+step() { echo; echo "=== $* ($(date +%T))"; }
 
-# NVRTC: the toolkit's, else one shipped inside a Python package (torch brings its CUDA libraries).
-for d in /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 \
-         $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null); do
-  if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; break; fi
+step "nvidia-smi"
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$OUT/nvidia-smi.csv"
+
+step "CUDA libraries"
+# The toolkit's, else the ones pip's NVIDIA wheels (torch's dependencies) put under nvidia/.
+dirs=$(python3 - <<'PY'
+import glob, os
+roots = ["/usr/local/cuda/lib64"] + glob.glob("/usr/local/cuda-13*/lib64")
+try:
+    import nvidia
+    for p in nvidia.__path__:
+        roots += glob.glob(os.path.join(p, "*", "lib"))
+except ImportError:
+    pass
+print(":".join(r for r in roots if os.path.isdir(r)))
+PY
+)
+export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+for lib in libnvrtc.so.13 libcublasLt.so.13 libnccl.so.2; do
+  found=$(IFS=:; for d in $LD_LIBRARY_PATH; do ls "$d/$lib" 2>/dev/null; done | head -1)
+  echo "$lib: ${found:-MISSING}"
 done
-echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+# cudarc looks for libnccl.so (no soname suffix): give it a link beside the others.
+nccl=$(IFS=:; for d in $LD_LIBRARY_PATH; do ls "$d/libnccl.so.2" 2>/dev/null; done | head -1)
+if [ -n "$nccl" ]; then mkdir -p "$OUT/lib" && ln -sf "$nccl" "$OUT/lib/libnccl.so" && export LD_LIBRARY_PATH="$PWD/$OUT/lib:$LD_LIBRARY_PATH"; fi
 
 BIN=${KILN_BIN:-}
 if [ -z "$BIN" ]; then
-  cargo --version
-  cargo build --release --features cuda --offline
+  step "building kiln (no KILN_BIN given)"
+  cargo build --release --features cuda --offline || exit 1
   BIN=target/release/kiln
 fi
+BIN=$(realpath "$BIN")
 "$BIN" --version
-"$BIN" doctor | tee "$OUT/doctor.txt" || true
-"$BIN" gpu-check --json "$OUT/gpu-check.json" | tee "$OUT/gpu-check.txt"
+
+step "kiln doctor"
+"$BIN" doctor 2>&1 | tee "$OUT/doctor.txt"
+
+step "kiln gpu-check: kernels and backend ops against the CPU, NCCL sweep"
+"$BIN" gpu-check --json "$OUT/gpu-check.json" 2>&1 | tee "$OUT/gpu-check.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "end to end: parity with transformers, speed, serving"
+extra=()
+[ "${SKIP_SPEED:-0}" = 1 ] && extra+=(--skip-speed)
+python3 engine/benches/gpu_check.py --kiln "$BIN" --out "$OUT" "${extra[@]}" || status=1
+
+step "done: status $status"
+exit $status
