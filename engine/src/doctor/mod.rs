@@ -198,7 +198,7 @@ fn cuda_backend(locked_gpus: usize) -> Check {
     #[cfg(feature = "cuda")]
     {
         match crate::backend::cuda::probe() {
-            Ok(r) if !r.devices.is_empty() && r.nvrtc && r.cublas => {
+            Ok(r) if !r.devices.is_empty() && r.nvrtc && r.cublas && r.cublaslt => {
                 check("cuda-backend", Status::Pass, r.summary(), None)
             }
             Ok(r) => check(

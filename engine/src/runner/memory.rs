@@ -62,7 +62,7 @@ pub fn kv_tokens_for_fraction(
 ) -> Result<usize> {
     let budget = (total as f64 * fraction) as usize;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    let room = budget.checked_sub(weights).unwrap_or(0);
+    let room = budget.saturating_sub(weights);
     let tokens = room / bytes_per_token.max(1) / block_size.max(1) * block_size;
     if tokens == 0 {
         return Err(Error::Device(format!(

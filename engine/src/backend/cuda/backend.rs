@@ -225,7 +225,7 @@ pub fn attention_shared_bytes(group: usize, head_dim: usize) -> usize {
 
 /// Checks that the attention kernel covers this head layout, naming what does not fit.
 pub fn check_attention_shape(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Result<()> {
-    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
         return Err(Error::Device(format!(
             "attention: {n_heads} query heads are not a multiple of {n_kv_heads} KV heads"
         )));

@@ -14,6 +14,8 @@ pub struct CudaReport {
     pub devices: Vec<(String, (i32, i32), usize)>,
     pub nvrtc: bool,
     pub cublas: bool,
+    /// cuBLASLt, which the backend's GEMMs go through.
+    pub cublaslt: bool,
     /// `ncclGetVersion`, e.g. 23007 for 2.30.7; None when libnccl is not loadable.
     pub nccl_version: Option<i32>,
 }
@@ -54,6 +56,7 @@ pub fn probe() -> Result<CudaReport, String> {
     // SAFETY: as above, dlopen probes only.
     let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
     let cublas = unsafe { cudarc::cublas::sys::is_culib_present() };
+    let cublaslt = unsafe { cudarc::cublaslt::sys::is_culib_present() };
     let nccl_version = if unsafe { cudarc::nccl::sys::is_culib_present() } {
         cudarc::nccl::result::get_nccl_version().ok()
     } else {
@@ -64,6 +67,7 @@ pub fn probe() -> Result<CudaReport, String> {
         devices,
         nvrtc,
         cublas,
+        cublaslt,
         nccl_version,
     })
 }
@@ -85,11 +89,13 @@ impl CudaReport {
             None => "no NCCL".into(),
         };
         format!(
-            "CUDA driver API {}.{}; {devices}; NVRTC {}; cuBLAS {}; {nccl}",
+            "CUDA driver API {}.{}; {devices}; NVRTC {}; cuBLAS {}; cuBLASLt {}; {nccl} (the \
+             libraries load; `kiln gpu-check` validates the GPU path)",
             v / 1000,
             (v % 1000) / 10,
             if self.nvrtc { "ok" } else { "missing" },
             if self.cublas { "ok" } else { "missing" },
+            if self.cublaslt { "ok" } else { "missing" },
         )
     }
 }
