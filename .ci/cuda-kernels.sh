@@ -2,7 +2,9 @@
 # Every CUDA kernel through NVRTC and ptxas for Hopper (sm_90) and Blackwell (sm_120), without a GPU:
 # CUDA 13.0's NVRTC and ptxas come from pinned PyPI wheels in a private venv; the check is
 # the ignored test `every_kernel_compiles_for_hopper_and_blackwell`, which prints each kernel's
-# registers, shared memory and spills.
+# registers, shared memory and spills. The CUDA backend's host-side unit tests (step metadata,
+# splits, shared memory, the op-parity harness on the CPU, the probe, the device refusals) run
+# in the same `--features cuda` test binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${KILN_CI_CACHE:-$HOME/.cache/kiln-ci}
@@ -13,4 +15,4 @@ PYTHON=${PYTHON:-python3}
   nvidia-cuda-nvcc==13.0.88
 CUDA_HOME_DIR=$("$VENV/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
 LD_LIBRARY_PATH="$CUDA_HOME_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KILN_CUDA_HOME="$CUDA_HOME_DIR" \
-  cargo test --release --features cuda --lib every_kernel_compiles -- --include-ignored --nocapture
+  cargo test --release --features cuda --lib -- --include-ignored --nocapture backend::cuda runner::

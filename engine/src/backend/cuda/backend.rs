@@ -9,7 +9,6 @@
 //! [`Error::Device`], which the runner treats as the device lost (CUDA errors are sticky).
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
@@ -58,6 +57,7 @@ pub struct CudaKvStore {
     cache: CudaSlice<bf16>,
     n_layers: usize,
     n_slots: usize,
+    block_size: usize,
     width: usize,
 }
 
@@ -67,21 +67,47 @@ impl CudaKvStore {
     }
 }
 
-/// One forward's metadata, uploaded once: per token its position, sequence, KV slot and tree
-/// mask; per sequence its block table (padded to the longest).
+/// One forward's metadata, uploaded once: per token its RoPE position, its sequence, its place in
+/// the cache and its tree row; per sequence its block table (padded to the longest). Slots are
+/// worked out on the device from the table and the KV store's own block size (a model's cache and
+/// MLA's scratch store may differ), after the host checked every position against its table.
 pub struct CudaStepMeta<'a> {
     positions: CudaSlice<i32>,
+    cache_pos: CudaSlice<i32>,
     token_seq: CudaSlice<i32>,
-    slots: CudaSlice<i32>,
     block_tables: CudaSlice<i32>,
     tree_base: CudaSlice<i32>,
     tree_rows: CudaSlice<u64>,
     max_blocks: usize,
     n_tokens: usize,
-    /// The longest context any token of the step attends over (its position + 1).
+    /// The longest context any token of the step attends over (its cache position + 1).
     max_context: usize,
+    /// Per sequence, the last cache position it writes or reads and its table's length.
+    reach: Vec<(usize, usize)>,
     spans: PhantomData<&'a [SeqSpan<'a>]>,
 }
+
+impl CudaStepMeta<'_> {
+    fn check_fits(&self, block_size: usize) -> Result<()> {
+        check_fits(&self.reach, block_size)
+    }
+}
+
+/// Every position of a step lies inside its sequence's block table at `block_size` (`reach`:
+/// per sequence, its last cache position and its table's length).
+pub fn check_fits(reach: &[(usize, usize)], block_size: usize) -> Result<()> {
+    for &(last, blocks) in reach {
+        if last / block_size >= blocks {
+            return Err(Error::InvalidRequest(format!(
+                "cache position {last} is past its block table ({blocks} blocks of {block_size})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A RoPE spec's inverse frequencies (as bits, the key) and their copy on the device.
+type RopeTable = (Vec<u32>, Arc<CudaSlice<f32>>);
 
 /// Device scratch reused across calls: the attention splits' partial results.
 struct Scratch {
@@ -93,10 +119,8 @@ pub struct CudaBackend {
     gpu: Gpu,
     blas: CudaBlasLT,
     /// RoPE inverse frequencies on the device, per distinct spec (the model's, a draft head's).
-    rope_tables: Mutex<Vec<(Vec<u32>, CudaSlice<f32>)>>,
+    rope_tables: Mutex<Vec<RopeTable>>,
     scratch: Mutex<Scratch>,
-    /// Tokens per KV block, fixed by the first KV store (the step metadata's slots need it).
-    block_size: AtomicUsize,
 }
 
 fn cfg(grid: (usize, usize, usize), block: usize, shared: usize) -> LaunchConfig {
@@ -131,7 +155,6 @@ impl CudaBackend {
                 part_acc: None,
                 part_ml: None,
             }),
-            block_size: AtomicUsize::new(0),
         })
     }
 
@@ -159,13 +182,6 @@ impl CudaBackend {
             .map_err(dev("allocation (out of device memory?)"))
     }
 
-    fn block_size(&self) -> Result<usize> {
-        match self.block_size.load(Ordering::Relaxed) {
-            0 => Err(Error::Device("a step before any KV store was made".into())),
-            b => Ok(b),
-        }
-    }
-
     /// Gives `buf` the shape `[rows, cols]`, reallocating only when it has to grow.
     fn shape(&self, buf: &mut CudaBuffer, rows: usize, cols: usize) -> Result<()> {
         if rows * cols > buf.data.len() {
@@ -176,17 +192,17 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn rope_table(&self, spec: &RopeSpec) -> Result<CudaSlice<f32>> {
+    fn rope_table(&self, spec: &RopeSpec) -> Result<Arc<CudaSlice<f32>>> {
         let key: Vec<u32> = spec.inv_freq.iter().map(|v| v.to_bits()).collect();
         let mut tables = self
             .rope_tables
             .lock()
             .map_err(|_| Error::Device("the RoPE table cache was poisoned".into()))?;
         if let Some((_, t)) = tables.iter().find(|(k, _)| *k == key) {
-            return t.try_clone().map_err(dev("copy of the RoPE table"));
+            return Ok(t.clone());
         }
-        let t = self.upload(&spec.inv_freq)?;
-        tables.push((key, t.try_clone().map_err(dev("copy of the RoPE table"))?));
+        let t = Arc::new(self.upload(&spec.inv_freq)?);
+        tables.push((key, t.clone()));
         Ok(t)
     }
 
@@ -244,23 +260,24 @@ pub fn check_attention_shape(n_heads: usize, n_kv_heads: usize, head_dim: usize)
 /// A step's metadata on the host, flattened as the kernels read it.
 #[derive(Debug, PartialEq, Eq)]
 pub struct HostStepMeta {
+    /// RoPE positions, as given.
     pub positions: Vec<i32>,
+    /// Where each token's K and V go and up to where it attends: its span's `start_pos` plus
+    /// its index in the span (a tree node's RoPE position is its depth, its cache place is not).
+    pub cache_pos: Vec<i32>,
     pub token_seq: Vec<i32>,
-    pub slots: Vec<i32>,
     pub block_tables: Vec<i32>,
     pub max_blocks: usize,
     pub tree_base: Vec<i32>,
     pub tree_rows: Vec<u64>,
     pub max_context: usize,
+    /// Per sequence: the last cache position the step touches and the table's length in blocks.
+    pub reach: Vec<(usize, usize)>,
 }
 
-/// Flattens positions and spans: each token's sequence, KV slot (block * block_size + offset) and
-/// tree row; every block table padded to the longest (with -1).
-pub fn host_step_meta(
-    positions: &[usize],
-    spans: &[SeqSpan<'_>],
-    block_size: usize,
-) -> Result<HostStepMeta> {
+/// Flattens positions and spans: each token's cache position, sequence and tree row; every block
+/// table padded to the longest (with -1).
+pub fn host_step_meta(positions: &[usize], spans: &[SeqSpan<'_>]) -> Result<HostStepMeta> {
     let n = positions.len();
     let max_blocks = spans
         .iter()
@@ -270,35 +287,36 @@ pub fn host_step_meta(
         .max(1);
     let mut m = HostStepMeta {
         positions: positions.iter().map(|&p| int(p)).collect(),
+        // -1: a token in no span (none in a well-formed step) neither writes nor attends.
+        cache_pos: vec![-1; n],
         token_seq: vec![0; n],
-        slots: vec![-1; n],
         block_tables: vec![-1; spans.len().max(1) * max_blocks],
         max_blocks,
         tree_base: vec![i32::MAX; n],
         tree_rows: vec![0; n],
-        max_context: positions.iter().map(|&p| p + 1).max().unwrap_or(0),
+        max_context: 0,
+        reach: Vec::with_capacity(spans.len()),
     };
     for (si, span) in spans.iter().enumerate() {
+        if span.first_token + span.n_tokens > n {
+            return Err(Error::InvalidRequest(format!(
+                "a span of tokens {}..{} in a step of {n}",
+                span.first_token,
+                span.first_token + span.n_tokens
+            )));
+        }
         for (b, &block) in span.block_table.iter().enumerate() {
             m.block_tables[si * max_blocks + b] = block as i32;
         }
         for i in 0..span.n_tokens {
             let t = span.first_token + i;
-            let pos = *positions
-                .get(t)
-                .ok_or_else(|| Error::InvalidRequest(format!("span token {t} has no position")))?;
-            let block = span.block_table.get(pos / block_size).ok_or_else(|| {
-                Error::InvalidRequest(format!(
-                    "position {pos} is past the block table ({} blocks)",
-                    span.block_table.len()
-                ))
-            })?;
+            let pos = span.start_pos + i;
+            m.cache_pos[t] = int(pos);
             m.token_seq[t] = si as i32;
-            m.slots[t] = int(*block as usize * block_size + pos % block_size);
             if let Some(tree) = &span.tree {
                 if pos < tree.base || pos - tree.base >= TREE_MAX_POSITIONS {
                     return Err(Error::InvalidRequest(format!(
-                        "tree token at position {pos} is outside its mask (base {})",
+                        "tree token at cache position {pos} is outside its mask (base {})",
                         tree.base
                     )));
                 }
@@ -307,6 +325,11 @@ pub fn host_step_meta(
                     Error::InvalidRequest("a tree mask without a row per token".into())
                 })?;
             }
+        }
+        if span.n_tokens > 0 {
+            let last = span.start_pos + span.n_tokens - 1;
+            m.max_context = m.max_context.max(last + 1);
+            m.reach.push((last, span.block_table.len()));
         }
     }
     Ok(m)
@@ -384,12 +407,6 @@ impl Backend for CudaBackend {
         if block_size == 0 {
             return Err(Error::Device("a KV block of 0 tokens".into()));
         }
-        let known = self.block_size.swap(block_size, Ordering::Relaxed);
-        if known != 0 && known != block_size {
-            return Err(Error::Device(format!(
-                "KV stores of {known} and {block_size} tokens per block on one GPU"
-            )));
-        }
         let n_slots = n_blocks * block_size;
         let cache = self.zeros(n_layers * 2 * n_slots * kv_width).map_err(|e| {
             Error::Device(format!(
@@ -402,6 +419,7 @@ impl Backend for CudaBackend {
             cache,
             n_layers,
             n_slots,
+            block_size,
             width: kv_width,
         })
     }
@@ -411,17 +429,18 @@ impl Backend for CudaBackend {
         positions: &'a [usize],
         spans: &'a [SeqSpan<'a>],
     ) -> Result<CudaStepMeta<'a>> {
-        let m = host_step_meta(positions, spans, self.block_size()?)?;
+        let m = host_step_meta(positions, spans)?;
         Ok(CudaStepMeta {
             positions: self.upload(&m.positions)?,
+            cache_pos: self.upload(&m.cache_pos)?,
             token_seq: self.upload(&m.token_seq)?,
-            slots: self.upload(&m.slots)?,
             block_tables: self.upload(&m.block_tables)?,
             tree_base: self.upload(&m.tree_base)?,
             tree_rows: self.upload(&m.tree_rows)?,
             max_blocks: m.max_blocks,
             n_tokens: positions.len(),
             max_context: m.max_context,
+            reach: m.reach,
             spans: PhantomData,
         })
     }
@@ -499,7 +518,7 @@ impl Backend for CudaBackend {
         let mut b = self.stream().launch_builder(self.f("kiln_add_bias_bf16")?);
         b.arg(&mut x.data).arg(&stride).arg(&off).arg(bias).arg(&w);
         // SAFETY: as elementwise.cu declares; col_offset + width <= cols (the model's layout).
-        unsafe { b.launch(cfg((width.div_ceil(256), x.rows, 1), 256, 0)) }
+        unsafe { b.launch(cfg((x.rows, width.div_ceil(256), 1), 256, 0)) }
             .map_err(dev("add_bias launch"))?;
         Ok(())
     }
@@ -579,7 +598,7 @@ impl Backend for CudaBackend {
             i32::from(spec.interleaved),
         ];
         let mut b = self.stream().launch_builder(self.f("kiln_rope_bf16")?);
-        b.arg(&mut x.data).arg(&meta.positions).arg(&table);
+        b.arg(&mut x.data).arg(&meta.positions).arg(&*table);
         for v in &ints {
             b.arg(v);
         }
@@ -648,7 +667,7 @@ impl Backend for CudaBackend {
         let (Some(part_acc), Some(part_ml)) = (part_acc.as_mut(), part_ml.as_mut()) else {
             return Err(Error::Device("attention scratch missing".into()));
         };
-        let block_size = int(self.block_size()?);
+        let block_size = int(kv.block_size);
         let scale = 1.0 / (head_dim as f32).sqrt();
         let args = [
             int(meta.max_blocks),
@@ -666,7 +685,7 @@ impl Backend for CudaBackend {
             .arg(&k_plane)
             .arg(&v_plane)
             .arg(&meta.token_seq)
-            .arg(&meta.positions)
+            .arg(&meta.cache_pos)
             .arg(&meta.block_tables);
         for a in &args {
             b.arg(a);
@@ -719,24 +738,30 @@ impl Backend for CudaBackend {
                 kv.n_layers, qkv.cols, kv.width
             )));
         }
+        meta.check_fits(kv.block_size)?;
         let plane = kv.plane_len();
         let mut layer_planes = kv
             .cache
             .slice_mut(2 * layer * plane..(2 * layer + 2) * plane);
         let (mut k_plane, mut v_plane) = layer_planes.split_at_mut(plane);
         let ints = [int(qkv.cols), int(q_width), int(q_width + kv.width)];
-        let width = int(kv.width);
+        let (max_blocks, block_size, width) =
+            (int(meta.max_blocks), int(kv.block_size), int(kv.width));
         let mut b = self.stream().launch_builder(self.f("kiln_kv_write_bf16")?);
         b.arg(&qkv.data);
         for a in &ints {
             b.arg(a);
         }
-        b.arg(&meta.slots)
+        b.arg(&meta.token_seq)
+            .arg(&meta.cache_pos)
+            .arg(&meta.block_tables)
+            .arg(&max_blocks)
+            .arg(&block_size)
             .arg(&mut k_plane)
             .arg(&mut v_plane)
             .arg(&width);
-        // SAFETY: as attention.cu declares: one block per token; slots lie inside the planes
-        // (host_step_meta derives them from the block tables the scheduler allocated).
+        // SAFETY: as attention.cu declares: one block per token; check_fits proved every cache
+        // position inside its table, whose blocks the scheduler allocated inside this store.
         unsafe { b.launch(cfg((meta.n_tokens, 1, 1), 128, 0)) }.map_err(dev("kv write launch"))?;
         Ok(())
     }
@@ -750,7 +775,7 @@ impl Backend for CudaBackend {
         if moves.is_empty() {
             return Ok(());
         }
-        let block_size = self.block_size()?;
+        let block_size = kv.block_size;
         let slot = |pos: usize| -> Result<i32> {
             let block = block_table.get(pos / block_size).ok_or_else(|| {
                 Error::InvalidRequest(format!("move_kv: position {pos} past the block table"))
@@ -840,7 +865,7 @@ impl Backend for CudaBackend {
             .arg(&ints[3])
             .arg(&ints[4]);
         // SAFETY: as elementwise.cu declares; the column ranges were checked above.
-        unsafe { b.launch(cfg((width.div_ceil(256), src.rows, 1), 256, 0)) }
+        unsafe { b.launch(cfg((src.rows, width.div_ceil(256), 1), 256, 0)) }
             .map_err(dev("copy_columns launch"))?;
         Ok(())
     }
@@ -865,7 +890,7 @@ impl Backend for CudaBackend {
             .arg(&ints[2])
             .arg(&factor);
         // SAFETY: as elementwise.cu declares.
-        unsafe { b.launch(cfg((width.div_ceil(256), x.rows, 1), 256, 0)) }
+        unsafe { b.launch(cfg((x.rows, width.div_ceil(256), 1), 256, 0)) }
             .map_err(dev("scale_columns launch"))?;
         Ok(())
     }
@@ -954,5 +979,111 @@ impl Backend for CudaBackend {
         self.stream()
             .memcpy_htod(&to_bf16(&host), &mut x.data.slice_mut(0..n))
             .map_err(dev("copy to the device"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_metadata_places_tree_nodes_by_index_and_ropes_them_by_depth() {
+        let (a, b) = ([7u32, 3], [9u32, 4, 5]);
+        let rows = [0b1u64, 0b11, 0b101];
+        // Sequence A decodes at 20; B verifies a 3-node tree after 33 accepted tokens (node 2 is
+        // node 0's second child, so its RoPE position equals node 1's).
+        let positions = [20usize, 33, 34, 34];
+        let spans = [
+            SeqSpan {
+                first_token: 0,
+                n_tokens: 1,
+                start_pos: 20,
+                block_table: &a,
+                tree: None,
+            },
+            SeqSpan {
+                first_token: 1,
+                n_tokens: 3,
+                start_pos: 33,
+                block_table: &b,
+                tree: Some(crate::backend::TreeMask {
+                    base: 33,
+                    rows: &rows,
+                }),
+            },
+        ];
+        let m = host_step_meta(&positions, &spans).expect("valid step");
+        assert_eq!(m.positions, vec![20, 33, 34, 34]);
+        assert_eq!(m.cache_pos, vec![20, 33, 34, 35]);
+        assert_eq!(m.token_seq, vec![0, 1, 1, 1]);
+        assert_eq!(m.max_blocks, 3);
+        assert_eq!(m.block_tables, vec![7, 3, -1, 9, 4, 5]);
+        assert_eq!(m.tree_base, vec![i32::MAX, 33, 33, 33]);
+        assert_eq!(m.tree_rows, vec![0, 0b1, 0b11, 0b101]);
+        assert_eq!(m.max_context, 36);
+        assert_eq!(m.reach, vec![(20, 2), (35, 3)]);
+    }
+
+    #[test]
+    fn positions_past_a_block_table_are_refused_at_the_store_s_block_size() {
+        let table = [0u32, 1];
+        let spans = [SeqSpan {
+            first_token: 0,
+            n_tokens: 2,
+            start_pos: 30,
+            block_table: &table,
+            tree: None,
+        }];
+        let m = host_step_meta(&[30, 31], &spans).expect("flattens");
+        assert!(check_fits(&m.reach, 16).is_ok());
+        assert!(check_fits(&m.reach, 8).is_err());
+        // A tree node outside its 64-position window, and a span past the step's tokens.
+        let rows = [1u64];
+        let far = [SeqSpan {
+            first_token: 0,
+            n_tokens: 1,
+            start_pos: 100,
+            block_table: &table,
+            tree: Some(crate::backend::TreeMask {
+                base: 30,
+                rows: &rows,
+            }),
+        }];
+        assert!(host_step_meta(&[100], &far).is_err());
+        assert!(host_step_meta(&[30], &spans).is_err());
+    }
+
+    #[test]
+    fn splits_fill_the_gpu_only_when_the_batch_does_not() {
+        // 132 SMs: a decode of one token over 2 KV heads at 4096 context splits 16 ways
+        // (4096 / 256), capped by the 264 blocks wanted.
+        assert_eq!(attention_splits(132, 1, 2, 4096), 16);
+        assert_eq!(attention_splits(132, 1, 8, 100_000), 32);
+        // Short contexts and large batches do not split.
+        assert_eq!(attention_splits(132, 1, 8, 200), 1);
+        assert_eq!(attention_splits(132, 64, 8, 4096), 1);
+        assert_eq!(attention_splits(132, 0, 8, 4096), 1);
+    }
+
+    #[test]
+    fn the_attention_kernel_s_shared_memory_and_shapes() {
+        // Llama-3-8B: 4 query heads per KV head of 128.
+        assert_eq!(
+            attention_shared_bytes(4, 128),
+            4 * 128 * 4 + 2 * 32 * 130 * 2 + 4 * 32 * 4 + 3 * 4 * 4
+        );
+        for (h, kv, d) in [
+            (32, 8, 128),
+            (14, 2, 64),
+            (9, 3, 64),
+            (64, 8, 128),
+            (16, 2, 256),
+        ] {
+            assert!(check_attention_shape(h, kv, d).is_ok(), "{h} {kv} {d}");
+            assert!(attention_shared_bytes(h / kv, d) <= 48 * 1024);
+        }
+        assert!(check_attention_shape(32, 1, 128).is_err());
+        assert!(check_attention_shape(8, 3, 64).is_err());
+        assert!(check_attention_shape(8, 8, 512).is_err());
     }
 }

@@ -117,7 +117,7 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
             position_scale: 2.0,
             attention_factor: 1.1,
         };
-        let table = [0u32, 1];
+        let table: Vec<u32> = (0..256).collect();
         let spans = [SeqSpan {
             first_token: 0,
             n_tokens: positions.len(),
@@ -195,9 +195,10 @@ fn attention<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec
     }
     // Mixed: A decodes at 600, B prefills 3 causally, C verifies a tree of 5 after 2 accepted.
     let tree_rows: [u64; 5] = [0b1, 0b11, 0b101, 0b1011, 0b10101];
+    // RoPE positions: a tree node's is its depth (2 + depth), not its cache place (2 + index).
     let mut positions = vec![600usize];
     positions.extend(0..3);
-    positions.extend(2..7);
+    positions.extend([2, 3, 3, 4, 4]);
     let spans = [
         SeqSpan {
             first_token: 0,

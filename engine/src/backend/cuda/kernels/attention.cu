@@ -17,15 +17,20 @@
 // reading one column of 32 different keys hit 32 different banks.
 #define KILN_ATTN_PAD 2
 
-// Copies this step's K and V rows of the fused qkv buffer into their cache slots (-1: skip).
-// Grid: rows.
+// Copies this step's K and V rows of the fused qkv buffer into their cache slots: token t goes
+// to slot table[pos / block_size] * block_size + pos % block_size of its sequence, pos being its
+// cache position (-1: skip). Grid: rows.
 extern "C" __global__ void kiln_kv_write_bf16(
     const bf16* __restrict__ qkv, int row_stride, int k_col, int v_col,
-    const int* __restrict__ slots,
+    const int* __restrict__ token_seq, const int* __restrict__ cache_pos,
+    const int* __restrict__ block_tables, int max_blocks, int block_size,
     bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int kv_width) {
     const long row = blockIdx.x;
-    const long slot = slots[row];
-    if (slot < 0) return;
+    const int pos = cache_pos[row];
+    if (pos < 0) return;
+    const int block = block_tables[(long)token_seq[row] * max_blocks + pos / block_size];
+    if (block < 0) return;
+    const long slot = (long)block * block_size + pos % block_size;
     for (int i = threadIdx.x; i < kv_width; i += blockDim.x) {
         k_cache[slot * kv_width + i] = qkv[row * row_stride + k_col + i];
         v_cache[slot * kv_width + i] = qkv[row * row_stride + v_col + i];
@@ -60,7 +65,7 @@ extern "C" __global__ void kiln_paged_attention_bf16(
     const bf16* __restrict__ qkv, int row_stride,  // queries at column 0
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ token_seq,     // [tokens] -> sequence index
-    const int* __restrict__ token_pos,     // [tokens] absolute position
+    const int* __restrict__ token_pos,     // [tokens] cache position (-1: none)
     const int* __restrict__ block_tables,  // [n_seqs, max_blocks]
     int max_blocks, int block_size, int n_heads, int n_kv_heads, int head_dim, float scale,
     const int* __restrict__ tree_base,     // [tokens]

@@ -2,13 +2,14 @@
 // copies and scaling (MLA's per-head layouts), row gathers (the LM head's rows, MoE's tokens) and
 // the weighted scatter-add of routed experts' outputs.
 
-// x[r, col_offset + j] += bias[j] for j < width. Grid: (ceil(width / 256), rows); block: 256.
+// x[r, col_offset + j] += bias[j] for j < width. Grid: (rows, ceil(width / 256)); block: 256.
+// (Rows on x: grid.y stops at 65535, a long prefill has more rows.)
 extern "C" __global__ void kiln_add_bias_bf16(
     bf16* __restrict__ x, int row_stride, int col_offset,
     const float* __restrict__ bias, int width) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= width) return;
-    bf16* v = x + (long)blockIdx.y * row_stride + col_offset + j;
+    bf16* v = x + (long)blockIdx.x * row_stride + col_offset + j;
     *v = f32_to_bf16(bf16_to_f32(*v) + bias[j]);
 }
 
@@ -18,22 +19,22 @@ extern "C" __global__ void kiln_add_bf16(bf16* __restrict__ x, const bf16* __res
     if (i < n) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
 }
 
-// dst[r, dst_col + j] = src[r, src_col + j] for j < width. Grid: (ceil(width / 256), rows).
+// dst[r, dst_col + j] = src[r, src_col + j] for j < width. Grid: (rows, ceil(width / 256)).
 extern "C" __global__ void kiln_copy_columns_bf16(
     const bf16* __restrict__ src, int src_stride, int src_col,
     bf16* __restrict__ dst, int dst_stride, int dst_col, int width) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= width) return;
-    const long r = blockIdx.y;
+    const long r = blockIdx.x;
     dst[r * dst_stride + dst_col + j] = src[r * src_stride + src_col + j];
 }
 
-// x[r, col + j] *= factor for j < width. Grid: (ceil(width / 256), rows).
+// x[r, col + j] *= factor for j < width. Grid: (rows, ceil(width / 256)).
 extern "C" __global__ void kiln_scale_columns_bf16(
     bf16* __restrict__ x, int row_stride, int col, int width, float factor) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= width) return;
-    bf16* v = x + (long)blockIdx.y * row_stride + col + j;
+    bf16* v = x + (long)blockIdx.x * row_stride + col + j;
     *v = f32_to_bf16(bf16_to_f32(*v) * factor);
 }
 
