@@ -37,7 +37,8 @@ pub fn virtual_arch(cc: (i32, i32)) -> Result<&'static str, String> {
     })
 }
 
-fn err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
+/// A CUDA error as a message naming what failed.
+pub(super) fn err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
     move |e| format!("{what}: {e:?}")
 }
 

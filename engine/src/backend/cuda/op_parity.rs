@@ -9,7 +9,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::parity::OpParity;
+use super::parity::{OpParity, rel_error, result};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TreeMask};
 use crate::error::Result;
@@ -257,18 +257,6 @@ fn attention<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec
     Ok(out)
 }
 
-/// max |a - b| relative to max |b|; NaN or a length mismatch is an infinite error.
-fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-    if a.len() != b.len() || a.iter().any(|x| !x.is_finite()) {
-        return f64::INFINITY;
-    }
-    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| ((x - y).abs() / scale) as f64)
-        .fold(0.0, f64::max)
-}
-
 /// Runs every case on the CPU backend (exact mode) and on `gpu`, comparing outputs.
 pub fn compare<G: Backend>(gpu: &G, seed: u64) -> Result<Vec<OpParity>> {
     let cpu = CpuBackend::with_threads(2);
@@ -277,16 +265,7 @@ pub fn compare<G: Backend>(gpu: &G, seed: u64) -> Result<Vec<OpParity>> {
     Ok(want
         .into_iter()
         .zip(got)
-        .map(|((case, w), (_, g))| {
-            let error = rel_error(&g, &w);
-            OpParity {
-                op: "backend".into(),
-                case,
-                error,
-                tolerance: TOL,
-                pass: error <= TOL,
-            }
-        })
+        .map(|((case, w), (_, g))| result("backend", case, rel_error(&g, &w), TOL))
         .collect())
 }
 

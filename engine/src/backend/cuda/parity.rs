@@ -10,7 +10,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::gpu::Gpu;
+use super::gpu::{Gpu, err};
 
 /// One case's result.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -24,10 +24,6 @@ pub struct OpParity {
 }
 
 type R<T> = Result<T, String>;
-
-fn err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
-    move |e| format!("{what}: {e:?}")
-}
 
 struct Device {
     stream: Arc<CudaStream>,
@@ -79,9 +75,10 @@ fn f32s(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-/// max |a - b| relative to max |b|; any NaN in `a` (an element never written) is an infinite error.
-fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-    if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
+/// max |a - b| relative to max |b|; a NaN in `a` (an element never written), an infinity or a
+/// length mismatch is an infinite error.
+pub(super) fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() || a.iter().any(|x| !x.is_finite()) {
         return f64::INFINITY;
     }
     let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
@@ -91,7 +88,7 @@ fn rel_error(a: &[f32], b: &[f32]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn result(op: &str, case: String, error: f64, tolerance: f64) -> OpParity {
+pub(super) fn result(op: &str, case: String, error: f64, tolerance: f64) -> OpParity {
     OpParity {
         op: op.into(),
         case,
