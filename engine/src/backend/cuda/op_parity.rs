@@ -257,6 +257,11 @@ fn attention<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec
     Ok(out)
 }
 
+/// Opens GPU 0 and compares its backend with the CPU's on every case.
+pub fn run(seed: u64) -> Result<Vec<OpParity>> {
+    compare(&super::CudaBackend::open(0)?, seed)
+}
+
 /// Runs every case on the CPU backend (exact mode) and on `gpu`, comparing outputs.
 pub fn compare<G: Backend>(gpu: &G, seed: u64) -> Result<Vec<OpParity>> {
     let cpu = CpuBackend::with_threads(2);
