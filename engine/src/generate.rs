@@ -112,7 +112,7 @@ impl<B: Backend> SingleSequence<B> {
         on_token: &mut impl FnMut(&Sampled),
     ) -> Result<Generation> {
         let capacity = self.alloc.total() * self.alloc.block_size();
-        let mut sampler = Sampler::new(opts.sampling.clone(), prompt);
+        let mut sampler = Sampler::new(opts.sampling, prompt);
         let t0 = Instant::now();
         let chunk = if opts.prefill_chunk == 0 {
             prompt.len()

@@ -8,8 +8,8 @@ use kiln::backend::Precision;
 use kiln::generate::FinishReason;
 use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::runner::{
-    Device, LoadSpec, ModelRunner, RunnerConfig, SeqParams, SeqPlan, StepOutput, StepPlan,
-    TokenMask,
+    Device, LoadSpec, ModelRunner, RunnerConfig, SamplingSite, SeqParams, SeqPlan, StepOutput,
+    StepPlan, TokenMask,
 };
 use kiln::sampling::SamplingParams;
 use kiln::speculation::{SpecConfig, SpecMethod};
@@ -17,6 +17,10 @@ use kiln::speculation::{SpecConfig, SpecMethod};
 const BLOCK: usize = 16;
 
 fn runner(spec: SpecConfig) -> Box<dyn ModelRunner> {
+    runner_at(spec, SamplingSite::Auto)
+}
+
+fn runner_at(spec: SpecConfig, sampling: SamplingSite) -> Box<dyn ModelRunner> {
     let load = LoadSpec {
         device: Device::Cpu,
         model: common::smollm2(),
@@ -31,6 +35,7 @@ fn runner(spec: SpecConfig) -> Box<dyn ModelRunner> {
             block_size: BLOCK,
             max_step_tokens: 256,
             spec,
+            sampling,
         },
     };
     kiln::runner::load(&load, &mut |_| {}).expect("load").0
@@ -89,8 +94,12 @@ impl Seq {
 }
 
 fn start(r: &mut dyn ModelRunner, prompt: &[u32]) -> (Seq, BlockAllocator) {
+    start_with(r, prompt, greedy())
+}
+
+fn start_with(r: &mut dyn ModelRunner, prompt: &[u32], params: SeqParams) -> (Seq, BlockAllocator) {
     let (n_blocks, block) = r.kv_layout();
-    r.admit(7, greedy(), prompt);
+    r.admit(7, params, prompt);
     let seq = Seq {
         tokens: prompt.to_vec(),
         computed: 0,
@@ -195,4 +204,90 @@ fn a_failing_op_fails_the_step_with_an_error_and_the_runner_goes_on() {
     let (mut seq, mut alloc) = start(r.as_mut(), &PROMPT);
     let out = seq.step(r.as_mut(), &mut alloc, 0, 8, None);
     assert_eq!(out.seqs[0].tokens.len(), 1);
+}
+
+fn repeating_prompt(r: &dyn ModelRunner) -> Vec<u32> {
+    r.info()
+        .tokenizer
+        .encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,", true)
+        .expect("encode")
+}
+
+/// Runs `n` tokens after `prompt` with n-gram drafting, returning the emitted tokens (with
+/// logprobs) and the drafts made.
+fn ngram_run(
+    r: &mut dyn ModelRunner,
+    prompt: &[u32],
+    params: SeqParams,
+    n: usize,
+) -> (Vec<kiln::sampling::Sampled>, usize) {
+    let (mut seq, mut alloc) = start_with(r, prompt, params);
+    let (mut emitted, mut drafted) = (Vec::new(), 0);
+    while emitted.len() < n {
+        let out = seq.step(r, &mut alloc, 4, 64, None);
+        drafted += out.seqs[0].drafted;
+        emitted.extend(out.seqs[0].tokens.iter().cloned());
+    }
+    r.release(7);
+    emitted.truncate(n);
+    (emitted, drafted)
+}
+
+/// The device sampling path (every row drawn by the backend's op in one pass, drafts verified
+/// there) run on the CPU backend: greedy tokens and logprobs equal the host path's, with drafts
+/// made and verified; seeded random sampling is reproducible and really random.
+#[test]
+fn sampling_through_the_backend_op_matches_the_host_path() {
+    let spec = SpecConfig {
+        method: SpecMethod::Ngram,
+        adaptive: false,
+        num_steps: 4,
+        ..SpecConfig::default()
+    };
+    let mut host = runner_at(spec, SamplingSite::Auto);
+    let mut device = runner_at(spec, SamplingSite::Backend);
+    let prompt = repeating_prompt(host.as_ref());
+    let with_logprobs = SeqParams {
+        sampling: SamplingParams {
+            logprobs: true,
+            top_logprobs: 3,
+            repetition_penalty: 1.1,
+            ..SamplingParams::greedy()
+        },
+        ..greedy()
+    };
+    let (want, _) = ngram_run(host.as_mut(), &prompt, with_logprobs.clone(), 16);
+    let (got, drafted) = ngram_run(device.as_mut(), &prompt, with_logprobs, 16);
+    assert!(drafted > 0, "no drafts were made");
+    let ids = |v: &[kiln::sampling::Sampled]| v.iter().map(|s| s.token).collect::<Vec<_>>();
+    assert_eq!(ids(&got), ids(&want));
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g.logprob - w.logprob).abs() < 1e-4, "{g:?} vs {w:?}");
+        assert!(g.logprob < 0.0 && g.top.len() == 3, "{g:?}");
+        for (a, b) in g.top.iter().zip(&w.top) {
+            assert_eq!(a.0, b.0);
+            assert!((a.1 - b.1).abs() < 1e-4);
+        }
+    }
+
+    let seeded = |seed| SeqParams {
+        sampling: SamplingParams {
+            temperature: 1.5,
+            top_k: 50,
+            seed: Some(seed),
+            ..SamplingParams::greedy()
+        },
+        ..greedy()
+    };
+    let (a, drafted) = ngram_run(device.as_mut(), &prompt, seeded(3), 24);
+    let (b, _) = ngram_run(device.as_mut(), &prompt, seeded(3), 24);
+    let (c, _) = ngram_run(device.as_mut(), &prompt, seeded(4), 24);
+    assert!(drafted > 0, "no drafts were made while sampling");
+    assert_eq!(ids(&a), ids(&b), "the same seed drew different tokens");
+    assert_ne!(ids(&a), ids(&c), "different seeds drew the same 24 tokens");
+    assert_ne!(
+        ids(&a)[..16],
+        ids(&want)[..],
+        "sampling at t = 1.5 drew the greedy tokens"
+    );
 }

@@ -7,6 +7,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::error::Result;
+use crate::sampling::{RowDraw, RowResult};
 use crate::weights::TensorView;
 
 /// How weights are stored and multiplied.
@@ -237,6 +238,17 @@ pub trait Backend: Send + Sync {
     fn gather_rows(&self, x: &Self::Buffer, rows: &[usize]) -> Result<Self::Buffer>;
     /// Copies a buffer to host f32 values.
     fn to_host(&self, x: &Self::Buffer) -> Result<Vec<f32>>;
+    /// Draws one token per row of `logits` (`draws.len()` rows of vocabulary width, the LM
+    /// head's output) where the logits are, agreeing with [`crate::sampling::sample_row`]; only
+    /// token ids and the logprobs asked for come back.
+    fn sample(&self, logits: &Self::Buffer, draws: &[RowDraw<'_>]) -> Result<Vec<RowResult>>;
+    /// Whether the runner should give its rows to [`Backend::sample`] instead of copying the
+    /// logits to the host (a device backend, where that copy is a vocabulary-wide row per
+    /// token). The host samples host logits lazily, so a tree walk draws only the nodes it
+    /// reaches.
+    fn samples_in_place(&self) -> bool {
+        false
+    }
     /// Sums `x` across the tensor-parallel group in place (CPU: threads; CUDA: NCCL).
     fn all_reduce_sum(
         &self,

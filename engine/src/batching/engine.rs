@@ -179,7 +179,7 @@ impl Engine {
         self.metrics.prompt_tokens.inc_by(req.prompt.len() as u64);
         let p = &req.params;
         let seq_params = SeqParams {
-            sampling: p.sampling.clone(),
+            sampling: p.sampling,
             ignore_eos: p.ignore_eos,
             stop_token_ids: p.stop_token_ids.clone(),
         };

@@ -88,6 +88,11 @@ pub struct Workspace<B: Backend> {
 }
 
 impl<B: Backend> Workspace<B> {
+    /// The last step's logits, one row per `logit_rows` entry (after [`Llama::forward_in_place`]).
+    pub fn logits(&self) -> &B::Buffer {
+        &self.proj
+    }
+
     pub fn new(backend: &B) -> Result<Self> {
         Ok(Workspace {
             x: backend.buffer(0, 0)?,
@@ -561,6 +566,19 @@ impl<B: Backend> Llama<B> {
         batch: &ForwardBatch<'_>,
         ws: &mut Workspace<B>,
     ) -> Result<Vec<f32>> {
+        self.forward_inner(backend, kv, batch, ws, None)?;
+        backend.to_host(&ws.proj)
+    }
+
+    /// Runs one step and leaves its logits where the backend computed them
+    /// ([`Workspace::logits`]), for sampling there.
+    pub fn forward_in_place(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStore,
+        batch: &ForwardBatch<'_>,
+        ws: &mut Workspace<B>,
+    ) -> Result<()> {
         self.forward_inner(backend, kv, batch, ws, None)
     }
 
@@ -575,7 +593,8 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         comm: &dyn Communicator,
     ) -> Result<Vec<f32>> {
-        self.forward_inner(backend, kv, batch, ws, Some(comm))
+        self.forward_inner(backend, kv, batch, ws, Some(comm))?;
+        backend.to_host(&ws.proj)
     }
 
     fn forward_inner(
@@ -585,7 +604,7 @@ impl<B: Backend> Llama<B> {
         batch: &ForwardBatch<'_>,
         ws: &mut Workspace<B>,
         comm: Option<&dyn Communicator>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<()> {
         let c = &self.config;
         let (n_heads, n_kv_heads) = (self.local_heads, self.local_kv_heads);
         let n = batch.tokens.len();
@@ -709,7 +728,6 @@ impl<B: Backend> Llama<B> {
         let last = backend.gather_rows(&ws.x, batch.logit_rows)?;
         backend.rms_norm(&last, &self.final_norm, c.rms_norm_eps, &mut ws.h)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        backend.matmul(&ws.h, head, &mut ws.proj)?;
-        backend.to_host(&ws.proj)
+        backend.matmul(&ws.h, head, &mut ws.proj)
     }
 }

@@ -2,13 +2,16 @@
 //! draft tokens (exact greedy or rejection sampling), or the accepted path through a draft tree.
 //! Every token goes through the sequence's token mask first, and emission stops at the token that
 //! ends the request, so nothing after it is accepted or counted.
+//!
+//! The rows come either from host logits, sampled as the walk reaches them ([`HostRows`]), or
+//! from the backend, every row drawn in one pass where the logits are ([`DrawnRows`]).
 
 use crate::generate::FinishReason;
-use crate::sampling::{Sampled, Sampler};
+use crate::sampling::{RowDraw, RowResult, Sampled, Sampler};
 use crate::speculation::tree::DraftTree;
 use crate::tokenizer::Tokenizer;
 
-use super::plan::{SeqOutput, SeqParams, SeqPlan, TokenMask};
+use super::plan::{SeqOutput, SeqParams, TokenMask};
 
 /// When a sequence ends, judged token by token as it emits.
 pub struct StopRule<'a> {
@@ -34,44 +37,114 @@ impl StopRule<'_> {
     }
 }
 
-/// One sequence's logits for this step: `rows[j]` is the row after its `j`-th fed position
-/// from the last real token on (row 0: after the real token; row 1 + i: after draft i or tree
-/// node i).
-pub struct SeqLogits<'a> {
+/// Where a sequence's tokens come from, row by row: row 0 is after its last real token, row
+/// `1 + i` after draft `i` (or tree node `i`). Every sampled token is recorded by the sampler.
+pub trait Rows {
+    /// The token row `j` samples.
+    fn sample(&mut self, j: usize) -> Sampled;
+    /// Row `j` verifying `draft`: the token it yields and whether that is the draft.
+    fn verify(&mut self, j: usize, draft: u32) -> (Sampled, bool);
+}
+
+/// Rows sampled on the host from a copy of the logits, lazily (a tree walk samples only the
+/// nodes it reaches).
+pub struct HostRows<'a> {
+    pub sampler: &'a mut Sampler,
     pub logits: &'a [f32],
     pub first_row: usize,
     pub vocab: usize,
+    pub mask: Option<&'a TokenMask>,
 }
 
-impl SeqLogits<'_> {
-    fn row(&self, j: usize, mask: Option<&TokenMask>) -> Vec<f32> {
+impl HostRows<'_> {
+    fn row(&self, j: usize) -> Vec<f32> {
         let r = self.first_row + j;
         let mut row = self.logits[r * self.vocab..(r + 1) * self.vocab].to_vec();
-        if let Some(m) = mask {
+        if let Some(m) = self.mask {
             m.apply(&mut row);
         }
         row
     }
 }
 
+impl Rows for HostRows<'_> {
+    fn sample(&mut self, j: usize) -> Sampled {
+        let mut row = self.row(j);
+        self.sampler.sample(&mut row)
+    }
+
+    fn verify(&mut self, j: usize, draft: u32) -> (Sampled, bool) {
+        let mut row = self.row(j);
+        self.sampler.verify(&mut row, draft)
+    }
+}
+
+/// Rows the backend already drew, all at once, from [`DrawnRows::draws`]' draws.
+pub struct DrawnRows<'a> {
+    pub sampler: &'a mut Sampler,
+    pub results: &'a [RowResult],
+}
+
+impl DrawnRows<'_> {
+    /// The draws of one sequence's rows, in row order: each row's penalties count the tokens
+    /// emitted before it on the only path that consults it (the drafts before it in a chain,
+    /// the nodes from the root down to it in a tree).
+    pub fn draws<'m>(
+        sampler: &mut Sampler,
+        drafts: &[u32],
+        tree: Option<&DraftTree>,
+        mask: Option<&'m TokenMask>,
+    ) -> Vec<RowDraw<'m>> {
+        match tree {
+            None => (0..=drafts.len())
+                .map(|j| sampler.row_draw(&drafts[..j], drafts.get(j).copied(), mask))
+                .collect(),
+            Some(t) => {
+                let mut draws = vec![sampler.row_draw(&[], None, mask)];
+                for node in 0..t.len() {
+                    let mut path = Vec::new();
+                    let mut at = Some(node);
+                    while let Some(n) = at {
+                        path.push(t.tokens[n]);
+                        at = t.parents[n];
+                    }
+                    path.reverse();
+                    draws.push(sampler.row_draw(&path, None, mask));
+                }
+                draws
+            }
+        }
+    }
+
+    fn take(&mut self, j: usize) -> (Sampled, bool) {
+        let r = &self.results[j];
+        self.sampler.observe(r.sampled.token);
+        (r.sampled.clone(), r.accepted)
+    }
+}
+
+impl Rows for DrawnRows<'_> {
+    fn sample(&mut self, j: usize) -> Sampled {
+        self.take(j).0
+    }
+
+    /// The row was drawn verifying this same draft ([`DrawnRows::draws`]).
+    fn verify(&mut self, j: usize, _draft: u32) -> (Sampled, bool) {
+        self.take(j)
+    }
+}
+
 /// A chain: each draft token stands while verification accepts it; the first rejection (or a
 /// plain step's only row) samples the token that replaces it.
-pub fn chain(
-    sampler: &mut Sampler,
-    rows: &SeqLogits<'_>,
-    plan: &SeqPlan<'_>,
-    drafts: &[u32],
-    stop: &StopRule<'_>,
-) -> SeqOutput {
+pub fn chain(rows: &mut dyn Rows, drafts: &[u32], stop: &StopRule<'_>) -> SeqOutput {
     let mut out = SeqOutput {
         drafted: drafts.len(),
         ..Default::default()
     };
     for j in 0..=drafts.len() {
-        let mut row = rows.row(j, plan.mask);
         let (sampled, is_draft) = match drafts.get(j) {
-            Some(&d) => sampler.verify(&mut row, d),
-            None => (sampler.sample(&mut row), false),
+            Some(&d) => rows.verify(j, d),
+            None => (rows.sample(j), false),
         };
         if emit(&mut out, sampled, stop) || !is_draft {
             break;
@@ -85,20 +158,13 @@ pub fn chain(
 /// A tree: sample at each node the target reached and follow the child carrying that token, so
 /// the tokens are exactly those plain decoding would emit. Returns the output and the accepted
 /// path's nodes.
-pub fn tree(
-    sampler: &mut Sampler,
-    rows: &SeqLogits<'_>,
-    plan: &SeqPlan<'_>,
-    tree: &DraftTree,
-    stop: &StopRule<'_>,
-) -> (SeqOutput, Vec<usize>) {
+pub fn tree(rows: &mut dyn Rows, tree: &DraftTree, stop: &StopRule<'_>) -> (SeqOutput, Vec<usize>) {
     let mut out = SeqOutput {
         drafted: tree.len(),
         ..Default::default()
     };
     let path = tree.accepted_path(|at| {
-        let mut row = rows.row(at.map_or(0, |n| n + 1), plan.mask);
-        let sampled = sampler.sample(&mut row);
+        let sampled = rows.sample(at.map_or(0, |n| n + 1));
         let token = sampled.token;
         // A token that ends the request stops the walk (as in a chain, it is not accepted).
         (!emit(&mut out, sampled, stop)).then_some(token)
@@ -113,4 +179,50 @@ fn emit(out: &mut SeqOutput, sampled: Sampled, stop: &StopRule<'_>) -> bool {
     out.tokens.push(sampled);
     out.finish = stop.after(token, out.tokens.len());
     out.finish.is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingParams;
+
+    fn sampler() -> Sampler {
+        Sampler::new(
+            SamplingParams {
+                frequency_penalty: 1.0,
+                ..SamplingParams::greedy()
+            },
+            &[],
+        )
+    }
+
+    fn penalised(d: &RowDraw<'_>) -> Vec<u32> {
+        d.penalties.iter().map(|e| e.token).collect()
+    }
+
+    #[test]
+    fn each_row_counts_the_tokens_emitted_on_the_path_to_it() {
+        let mut s = sampler();
+        let chain = DrawnRows::draws(&mut s, &[5, 6, 7], None, None);
+        let got: Vec<(Vec<u32>, Option<u32>)> =
+            chain.iter().map(|d| (penalised(d), d.draft)).collect();
+        assert_eq!(
+            got,
+            [
+                (vec![], Some(5)),
+                (vec![5], Some(6)),
+                (vec![5, 6], Some(7)),
+                (vec![5, 6, 7], None),
+            ]
+        );
+        // Root children 5 and 7; 6 under 5.
+        let tree = DraftTree {
+            tokens: vec![5, 6, 7],
+            parents: vec![None, Some(0), None],
+        };
+        let rows = DrawnRows::draws(&mut s, &tree.tokens, Some(&tree), None);
+        let got: Vec<Vec<u32>> = rows.iter().map(penalised).collect();
+        assert_eq!(got, [vec![], vec![5], vec![5, 6], vec![7]]);
+        assert!(rows.iter().all(|d| d.draft.is_none()));
+    }
 }

@@ -62,6 +62,20 @@ pub struct RunnerConfig {
     /// Tokens in one step, at most, drafts included.
     pub max_step_tokens: usize,
     pub spec: SpecConfig,
+    /// Where tokens are drawn from the logits.
+    pub sampling: SamplingSite,
+}
+
+/// Where a step's tokens are drawn from its logits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SamplingSite {
+    /// Where the backend prefers ([`crate::backend::Backend::samples_in_place`]): on the
+    /// device for a GPU, from host copies on the CPU.
+    #[default]
+    Auto,
+    /// Every row through the backend's sampling op, also on the CPU (how the device path is
+    /// tested without a device).
+    Backend,
 }
 
 impl RunnerConfig {

@@ -5,10 +5,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::accept::{self, SeqLogits, StopRule};
+use super::accept::{self, DrawnRows, HostRows, Rows, StopRule};
 use super::drafter::{Drafter, Drafts};
 use super::plan::{SeqOutput, SeqParams, StepOutput, StepPlan};
-use super::{ModelInfo, ModelRunner, RunnerConfig};
+use super::{ModelInfo, ModelRunner, RunnerConfig, SamplingSite};
 use crate::backend::{Backend, SeqSpan, TreeMask};
 use crate::batching::scheduler::SeqId;
 use crate::error::Result;
@@ -16,7 +16,7 @@ use crate::kv_cache::{BlockAllocator, SeqBlocks};
 use crate::load::LoadedModel;
 use crate::model::{Eagle3Draft, ForwardBatch, Workspace};
 use crate::parallel::TpGroup;
-use crate::sampling::Sampler;
+use crate::sampling::{RowDraw, RowResult, Sampler, SamplingParams};
 use crate::speculation::Policy;
 use crate::speculation::eagle::Confirmed;
 
@@ -139,6 +139,62 @@ impl<B: Backend> Runner<B> {
         }
     }
 
+    /// Whether this step's rows go to the backend's sampling op (tensor parallelism returns
+    /// rank 0's logits on the host, so it samples there).
+    fn samples_in_backend(&self) -> bool {
+        self.tp.is_none()
+            && match self.cfg.sampling {
+                SamplingSite::Auto => self.model.backend.samples_in_place(),
+                SamplingSite::Backend => true,
+            }
+    }
+
+    /// Like [`Runner::forward`], leaving the logits in the workspace.
+    fn forward_in_place(&mut self, batch: &ForwardBatch<'_>) -> Result<()> {
+        let m = &self.model;
+        m.model
+            .forward_in_place(&m.backend, &mut self.kv, batch, &mut self.ws)
+    }
+
+    /// Every logits row of the step drawn by the backend in one pass, in row order: each
+    /// sampling sequence's rows from its own sampler ([`DrawnRows::draws`]).
+    fn draw_rows(
+        &mut self,
+        plan: &StepPlan<'_>,
+        fed: &[Fed],
+        drafts: &Drafts,
+        n_rows: usize,
+    ) -> Result<Vec<RowResult>> {
+        let mut draws: Vec<RowDraw<'_>> = Vec::with_capacity(n_rows);
+        for (w, (s, f)) in plan.seqs.iter().zip(fed).enumerate() {
+            if f.row.is_none() {
+                continue;
+            }
+            let tree = drafts.trees[w].as_ref();
+            match self.seqs.get_mut(&s.id) {
+                Some(slot) => draws.extend(DrawnRows::draws(
+                    &mut slot.sampler,
+                    &drafts.tokens[w],
+                    tree,
+                    s.mask,
+                )),
+                // Released mid-step: its rows are drawn greedily and never read.
+                None => {
+                    let n = 1 + drafts.tokens[w].len();
+                    draws.extend((0..n).map(|_| RowDraw {
+                        params: SamplingParams::greedy(),
+                        penalties: Vec::new(),
+                        mask: None,
+                        draft: None,
+                        uniforms: [0.0; 2],
+                    }));
+                }
+            }
+        }
+        debug_assert_eq!(draws.len(), n_rows);
+        self.model.backend.sample(self.ws.logits(), &draws)
+    }
+
     /// The step's batch: each sequence's new tokens and drafts, their positions (a tree's nodes
     /// at their depths), and the logits rows of every sequence that samples.
     fn lay_out(
@@ -184,7 +240,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
     }
 
     fn admit(&mut self, id: SeqId, params: SeqParams, prompt: &[u32]) {
-        let sampler = Sampler::new(params.sampling.clone(), prompt);
+        let sampler = Sampler::new(params.sampling, prompt);
         self.seqs.insert(
             id,
             SeqSlot {
@@ -245,11 +301,21 @@ impl<B: Backend> ModelRunner for Runner<B> {
             spans: &spans,
             logit_rows: &logit_rows,
         };
+        let in_backend = self.samples_in_backend();
         let t = Instant::now();
-        let logits = self.forward(&batch);
+        let logits = if in_backend {
+            self.forward_in_place(&batch).map(|()| Vec::new())
+        } else {
+            self.forward(&batch)
+        };
         self.policy
             .record_step(tokens.len(), t.elapsed().as_secs_f64());
         let logits = logits?;
+        let drawn = if in_backend {
+            self.draw_rows(plan, &fed, &drafts, logit_rows.len())?
+        } else {
+            Vec::new()
+        };
 
         let vocab = self.model.config().vocab_size;
         let mut outputs = Vec::with_capacity(plan.seqs.len());
@@ -260,10 +326,23 @@ impl<B: Backend> ModelRunner for Runner<B> {
                 outputs.push(SeqOutput::default());
                 continue;
             };
-            let rows = SeqLogits {
-                logits: &logits,
-                first_row: row,
-                vocab,
+            let mut host;
+            let mut device;
+            let rows: &mut dyn Rows = if in_backend {
+                device = DrawnRows {
+                    sampler: &mut slot.sampler,
+                    results: &drawn[row..],
+                };
+                &mut device
+            } else {
+                host = HostRows {
+                    sampler: &mut slot.sampler,
+                    logits: &logits,
+                    first_row: row,
+                    vocab,
+                    mask: s.mask,
+                };
+                &mut host
             };
             let stop = StopRule {
                 tokenizer: &self.model.tokenizer,
@@ -273,7 +352,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
             };
             let out = match &drafts.trees[w] {
                 Some(tree) => {
-                    let (out, path) = accept::tree(&mut slot.sampler, &rows, s, tree, &stop);
+                    let (out, path) = accept::tree(rows, tree, &stop);
                     // Node c's KV sits in the slot after the current token's plus c; the
                     // accepted path moves to consecutive positions (sources never precede
                     // destinations).
@@ -292,7 +371,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
                     );
                     out
                 }
-                None => accept::chain(&mut slot.sampler, &rows, s, &drafts.tokens[w], &stop),
+                None => accept::chain(rows, &drafts.tokens[w], &stop),
             };
             if out.drafted > 0 {
                 // A tree is tried depth by depth, as a chain of its depth.

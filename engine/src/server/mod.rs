@@ -181,6 +181,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
             block_size: opts.block_size,
             max_step_tokens: opts.max_step_tokens,
             spec: opts.spec,
+            sampling: Default::default(),
         },
     };
     let n2 = notifier.clone();

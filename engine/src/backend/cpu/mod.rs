@@ -17,6 +17,7 @@ pub use simd::{Kernels, SimdLevel};
 
 use super::{Backend, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
+use crate::sampling::{RowDraw, RowResult, sample_row};
 use crate::weights::TensorView;
 
 /// Row-major `[rows, cols]` f32 activations. Reused across steps: `resize` keeps the allocation.
@@ -405,6 +406,24 @@ impl Backend for CpuBackend {
 
     fn to_host(&self, x: &CpuBuffer) -> Result<Vec<f32>> {
         Ok(x.data.clone())
+    }
+
+    fn sample(&self, logits: &CpuBuffer, draws: &[RowDraw<'_>]) -> Result<Vec<RowResult>> {
+        if draws.is_empty() {
+            return Ok(Vec::new());
+        }
+        if draws.len() > logits.rows || logits.cols == 0 {
+            return Err(Error::InvalidRequest(format!(
+                "{} draws for {} logits rows",
+                draws.len(),
+                logits.rows
+            )));
+        }
+        Ok(draws
+            .iter()
+            .zip(logits.data.chunks_exact(logits.cols))
+            .map(|(d, row)| sample_row(&mut row.to_vec(), d))
+            .collect())
     }
 
     fn all_reduce_sum(

@@ -21,6 +21,7 @@ use super::gpu::Gpu;
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS};
 use crate::error::{Error, Result};
 use crate::parallel::Communicator;
+use crate::sampling::{RowDraw, RowResult};
 use crate::weights::TensorView;
 
 /// The attention kernel's limits (attention.cu): threads per block, keys per tile, and outputs
@@ -33,7 +34,7 @@ const ATTN_PAD: usize = 2;
 const ATTN_MIN_SPLIT: usize = 256;
 const ATTN_MAX_SPLITS: usize = 32;
 
-fn dev<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> Error {
+pub(super) fn dev<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> Error {
     move |e| Error::Device(format!("CUDA {what}: {e:?}"))
 }
 
@@ -50,6 +51,13 @@ pub struct CudaBuffer {
     data: CudaSlice<bf16>,
     pub rows: usize,
     pub cols: usize,
+}
+
+impl CudaBuffer {
+    /// The device allocation (at least `rows * cols` values).
+    pub(super) fn data(&self) -> &CudaSlice<bf16> {
+        &self.data
+    }
 }
 
 /// The paged KV cache: `[layer][K | V][slot][width]` bf16.
@@ -123,7 +131,7 @@ pub struct CudaBackend {
     scratch: Mutex<Scratch>,
 }
 
-fn cfg(grid: (usize, usize, usize), block: usize, shared: usize) -> LaunchConfig {
+pub(super) fn cfg(grid: (usize, usize, usize), block: usize, shared: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
         block_dim: (block as u32, 1, 1),
@@ -131,7 +139,7 @@ fn cfg(grid: (usize, usize, usize), block: usize, shared: usize) -> LaunchConfig
     }
 }
 
-fn int(v: usize) -> i32 {
+pub(super) fn int(v: usize) -> i32 {
     v as i32
 }
 
@@ -158,15 +166,18 @@ impl CudaBackend {
         })
     }
 
-    fn stream(&self) -> &Arc<CudaStream> {
+    pub(super) fn stream(&self) -> &Arc<CudaStream> {
         &self.gpu.stream
     }
 
-    fn f(&self, name: &str) -> Result<&CudaFunction> {
+    pub(super) fn f(&self, name: &str) -> Result<&CudaFunction> {
         self.gpu.f(name).map_err(Error::Device)
     }
 
-    fn upload<T: DeviceRepr + ValidAsZeroBits>(&self, values: &[T]) -> Result<CudaSlice<T>> {
+    pub(super) fn upload<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        values: &[T],
+    ) -> Result<CudaSlice<T>> {
         if values.is_empty() {
             return self.zeros(1);
         }
@@ -175,7 +186,7 @@ impl CudaBackend {
             .map_err(dev("copy to the device"))
     }
 
-    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+    pub(super) fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         // A zero-length allocation is an error to the driver; keep one element.
         self.stream()
             .alloc_zeros(n.max(1))
@@ -965,6 +976,14 @@ impl Backend for CudaBackend {
             .clone_dtoh(&x.data.slice(0..n))
             .map_err(dev("copy to the host"))?;
         Ok(host.iter().map(|v| v.to_f32()).collect())
+    }
+
+    fn sample(&self, logits: &CudaBuffer, draws: &[RowDraw<'_>]) -> Result<Vec<RowResult>> {
+        self.sample_rows(logits, draws)
+    }
+
+    fn samples_in_place(&self) -> bool {
+        true
     }
 
     fn all_reduce_sum(&self, x: &mut CudaBuffer, comm: &dyn Communicator) -> Result<()> {

@@ -63,7 +63,12 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "sampling.cu",
         source: include_str!("kernels/sampling.cu"),
-        entry_points: &["kiln_argmax_f32", "kiln_sample_f32"],
+        entry_points: &[
+            "kiln_sample_prepare",
+            "kiln_sample_stats",
+            "kiln_sample_penalties",
+            "kiln_sample_draw",
+        ],
     },
 ];
 

@@ -10,6 +10,7 @@ mod nccl_sweep;
 pub mod op_parity;
 pub mod parity;
 mod probe;
+mod sample;
 
 pub use backend::{
     CudaBackend, CudaBuffer, CudaKvStore, CudaMatrix, CudaStepMeta, HostStepMeta,

@@ -13,6 +13,7 @@ use super::parity::{OpParity, rel_error, result};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TreeMask};
 use crate::error::Result;
+use crate::sampling::{Penalty, RowDraw, SamplingParams, TokenMask};
 use crate::weights::TensorView;
 
 /// bf16 outputs of f32-accumulated arithmetic: a few roundings of 2^-9, relative to the range.
@@ -259,7 +260,146 @@ fn attention<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec
 
 /// Opens GPU 0 and compares its backend with the CPU's on every case.
 pub fn run(seed: u64) -> Result<Vec<OpParity>> {
-    compare(&super::CudaBackend::open(0)?, seed)
+    let gpu = super::CudaBackend::open(0)?;
+    let mut out = compare(&gpu, seed)?;
+    out.extend(compare_sampling(&gpu, seed)?);
+    Ok(out)
+}
+
+/// Rows and vocabulary of the sampling cases (a vocabulary that is not a multiple of 64 or
+/// of a block, so the kernels' edges are exercised).
+const SAMPLE_ROWS: usize = 64;
+const SAMPLE_VOCAB: usize = 32_003;
+
+/// The draft row `r` of the verification case proposes.
+fn draft_of(r: usize) -> u32 {
+    (r * 131 % SAMPLE_VOCAB) as u32
+}
+
+/// Random logits with a tie for the top of row 1, and in even rows a draft made the clear
+/// favourite (so some drafts stand and the rest fall).
+fn sampling_logits(seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut logits = random(&mut rng, SAMPLE_ROWS * SAMPLE_VOCAB, 8.0);
+    logits[SAMPLE_VOCAB + 100] = 20.0;
+    logits[SAMPLE_VOCAB + 200] = 20.0;
+    for r in (0..SAMPLE_ROWS).step_by(2) {
+        logits[r * SAMPLE_VOCAB + draft_of(r) as usize] = 16.0;
+    }
+    logits
+}
+
+/// The sampling cases: each a list of draws over the same random logits.
+fn sampling_cases(seed: u64, mask: &TokenMask) -> Vec<(&'static str, Vec<RowDraw<'_>>)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5a5a);
+    let mut draw = |params: SamplingParams, draft: Option<u32>, masked: bool| RowDraw {
+        params,
+        penalties: Vec::new(),
+        mask: masked.then_some(mask),
+        draft,
+        uniforms: [rng.random(), rng.random()],
+    };
+    let random = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.9,
+        min_p: 0.02,
+        ..SamplingParams::greedy()
+    };
+    let logprobs = SamplingParams {
+        logprobs: true,
+        top_logprobs: 5,
+        repetition_penalty: 1.3,
+        ..SamplingParams::greedy()
+    };
+    let greedy = (0..SAMPLE_ROWS)
+        .map(|_| draw(SamplingParams::greedy(), None, false))
+        .collect();
+    let mut penalised: Vec<RowDraw> = (0..SAMPLE_ROWS)
+        .map(|r| draw(logprobs, None, r % 2 == 1))
+        .collect();
+    for (r, d) in penalised.iter_mut().enumerate() {
+        d.penalties = (0..8)
+            .map(|i| Penalty {
+                token: ((r * 977 + i * 4001) % SAMPLE_VOCAB) as u32,
+                repeat: true,
+                subtract: 0.5 * i as f32,
+            })
+            .collect();
+        d.penalties.sort_by_key(|e| e.token);
+        d.penalties.dedup_by_key(|e| e.token);
+    }
+    let sampled = (0..SAMPLE_ROWS)
+        .map(|_| draw(random, None, false))
+        .collect();
+    let full = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::greedy()
+    };
+    let verified = (0..SAMPLE_ROWS)
+        .map(|r| {
+            draw(
+                if r % 2 == 0 { random } else { full },
+                Some(draft_of(r)),
+                false,
+            )
+        })
+        .collect();
+    vec![
+        ("greedy, a tie in row 1", greedy),
+        ("greedy, penalties, mask, logprobs top-5", penalised),
+        ("t 0.8, top-k 40, top-p 0.9, min-p 0.02", sampled),
+        ("verifying drafts", verified),
+    ]
+}
+
+/// The sampling op on the CPU backend (the host reference) and on `gpu`, from the same logits
+/// and the same uniforms: the fraction of rows whose token or acceptance differs (a draw may
+/// differ only where float rounding moves a uniform across a token's edge), and the largest
+/// logprob gap.
+pub fn compare_sampling<G: Backend>(gpu: &G, seed: u64) -> Result<Vec<OpParity>> {
+    let cpu = CpuBackend::with_threads(2);
+    let logits = sampling_logits(seed);
+    let mask = TokenMask::allowing(SAMPLE_VOCAB, (0..SAMPLE_VOCAB as u32).step_by(3));
+    let want_logits = buffer(&cpu, SAMPLE_ROWS, SAMPLE_VOCAB, &logits)?;
+    let got_logits = buffer(gpu, SAMPLE_ROWS, SAMPLE_VOCAB, &logits)?;
+    let mut out = Vec::new();
+    for (case, draws) in sampling_cases(seed, &mask) {
+        let want = cpu.sample(&want_logits, &draws)?;
+        let got = gpu.sample(&got_logits, &draws)?;
+        let differ = want
+            .iter()
+            .zip(&got)
+            .filter(|(w, g)| w.sampled.token != g.sampled.token || w.accepted != g.accepted)
+            .count();
+        let exact = case.starts_with("greedy");
+        out.push(result(
+            "sample",
+            format!("{case}: rows differing"),
+            differ as f64 / SAMPLE_ROWS as f64,
+            if exact { 0.0 } else { 0.05 },
+        ));
+        if draws.iter().any(|d| d.params.logprobs) {
+            let gap = want
+                .iter()
+                .zip(&got)
+                .flat_map(|(w, g)| {
+                    std::iter::once((w.sampled.logprob, g.sampled.logprob)).chain(
+                        w.sampled.top.iter().zip(&g.sampled.top).map(|(a, b)| {
+                            if a.0 == b.0 {
+                                (a.1, b.1)
+                            } else {
+                                (0.0, f32::INFINITY)
+                            }
+                        }),
+                    )
+                })
+                .map(|(a, b)| (a - b).abs() as f64)
+                .fold(0.0, f64::max);
+            out.push(result("sample", format!("{case}: logprob gap"), gap, 1e-3));
+        }
+    }
+    Ok(out)
 }
 
 /// Runs every case on the CPU backend (exact mode) and on `gpu`, comparing outputs.
@@ -294,5 +434,41 @@ mod tests {
         }
         let again = outputs(&cpu, 7).expect("the cases run");
         assert_eq!(rel_error(&again[0].1, &out[0].1), 0.0);
+    }
+
+    /// The sampling cases run on the CPU backend against itself with nothing differing, and
+    /// they exercise what they name: drafts that stand and drafts that fall, masked rows, and
+    /// logprobs.
+    #[test]
+    fn the_sampling_cases_agree_with_themselves_and_cover_what_they_name() {
+        let cpu = CpuBackend::with_threads(2);
+        let results = compare_sampling(&cpu, 7).expect("the sampling cases run");
+        assert_eq!(results.len(), 5);
+        assert!(
+            results.iter().all(|r| r.pass && r.error == 0.0),
+            "{results:?}"
+        );
+        let mask = TokenMask::allowing(SAMPLE_VOCAB, (0..SAMPLE_VOCAB as u32).step_by(3));
+        let logits = buffer(&cpu, SAMPLE_ROWS, SAMPLE_VOCAB, &sampling_logits(7)).expect("logits");
+        let cases = sampling_cases(7, &mask);
+        let verified = cpu.sample(&logits, &cases[3].1).expect("sample");
+        let stood = verified.iter().filter(|r| r.accepted).count();
+        assert!(
+            stood > 0 && stood < SAMPLE_ROWS,
+            "{stood} of {SAMPLE_ROWS} drafts stood"
+        );
+        let masked = cpu.sample(&logits, &cases[1].1).expect("sample");
+        assert!(
+            masked
+                .iter()
+                .skip(1)
+                .step_by(2)
+                .all(|r| r.sampled.token % 3 == 0)
+        );
+        assert!(
+            masked
+                .iter()
+                .all(|r| r.sampled.top.len() == 5 && r.sampled.logprob < 0.0)
+        );
     }
 }

@@ -7,7 +7,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+mod mask;
+pub mod rows;
+
+pub use mask::TokenMask;
+pub use rows::{Penalty, RowDraw, RowResult, sample_row};
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {
     /// 0 means greedy.
