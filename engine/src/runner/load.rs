@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::device::{Device, WithBackend};
 use super::memory::kv_tokens_for_fraction;
@@ -98,6 +98,7 @@ impl WithBackend for Job<'_> {
             None
         };
         let mut last = 0;
+        let started = Instant::now();
         let model = load_model_shard(
             backend,
             &spec.model,
@@ -110,6 +111,13 @@ impl WithBackend for Job<'_> {
                 }
             },
         )?;
+        let loaded = format!(
+            "weights loaded in {:.1} s on {}",
+            started.elapsed().as_secs_f64(),
+            model.backend.describe()
+        );
+        tracing::info!("{loaded}");
+        status(loaded);
         let draft = match &spec.draft_model {
             Some(dir) => {
                 status("loading the EAGLE-3 draft head".into());

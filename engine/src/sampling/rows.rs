@@ -348,7 +348,10 @@ mod tests {
         let h = histogram(4000, || {
             sample_row(&mut row(), &s.row_draw(&[], None, None))
         });
-        assert!(h[1] > 0.0 && h[4] > 0.0 && (h[1] + h[4] - 1.0).abs() < 1e-9, "{h:?}");
+        assert!(
+            h[1] > 0.0 && h[4] > 0.0 && (h[1] + h[4] - 1.0).abs() < 1e-9,
+            "{h:?}"
+        );
         // p(1) ~ 0.40, p(4) ~ 0.36: top-p 0.5 needs both, top-p 0.39 only token 1.
         for (top_p, kept) in [(0.5, vec![1, 4]), (0.39, vec![1])] {
             let mut s = Sampler::new(

@@ -166,21 +166,39 @@ impl TensorView {
         shape: Vec<usize>,
         values: &[f32],
     ) -> Result<TensorView> {
-        let n_bytes = values.len() * 4;
-        let mut map =
-            memmap2::MmapMut::map_anon(n_bytes.max(1)).map_err(|e| Error::io(&path, e))?;
-        for (dst, v) in map.chunks_exact_mut(4).zip(values) {
-            dst.copy_from_slice(&v.to_le_bytes());
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Self::from_bytes(name, path, DType::F32, shape, &bytes)
+    }
+
+    /// A tensor of `dtype` built in memory from its stored bytes, which must be exactly the
+    /// whole blocks `shape` needs.
+    pub fn from_bytes(
+        name: String,
+        path: PathBuf,
+        dtype: DType,
+        shape: Vec<usize>,
+        bytes: &[u8],
+    ) -> Result<TensorView> {
+        let n: usize = shape.iter().product();
+        if dtype.bytes_for(n) != Some(bytes.len()) {
+            return Err(Error::tensor(
+                &path,
+                &name,
+                format!("{} bytes of {dtype:?} for shape {shape:?}", bytes.len()),
+            ));
         }
+        let mut map =
+            memmap2::MmapMut::map_anon(bytes.len().max(1)).map_err(|e| Error::io(&path, e))?;
+        map[..bytes.len()].copy_from_slice(bytes);
         let mmap = map.make_read_only().map_err(|e| Error::io(&path, e))?;
         Ok(TensorView {
             name,
             path,
-            dtype: DType::F32,
+            dtype,
             shape,
             mmap: Arc::new(mmap),
             offset: 0,
-            n_bytes,
+            n_bytes: bytes.len(),
         })
     }
 

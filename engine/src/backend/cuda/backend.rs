@@ -1,7 +1,7 @@
 //! The CUDA backend: the op trait over one GPU. Weights and activations are bf16 on the device
 //! (f32 arithmetic inside every kernel, f32 accumulation in cuBLASLt's GEMMs); norm weights and
-//! biases stay f32. Quantized and f32 weight formats are dequantized on the host and uploaded as
-//! bf16 at load. The KV cache is one device slab: for each layer a K plane and a V plane of
+//! biases stay f32. Weights go up as stored (any GGUF type, f32, f16, bf16) and become bf16 on the
+//! device at load (dequant.rs). The KV cache is one device slab: for each layer a K plane and a V plane of
 //! `n_blocks * block_size` rows.
 //!
 //! Every op is enqueued on the GPU's one stream and returns at once; only `to_host` (and the
@@ -371,7 +371,6 @@ impl Backend for CudaBackend {
         // bf16 whatever the precision: the device loader refuses exact mode before any weight.
         let mut cols = None;
         let mut rows = 0;
-        let mut host = Vec::new();
         for p in parts {
             let (r, c) = p.matrix_shape()?;
             if *cols.get_or_insert(c) != c {
@@ -382,13 +381,17 @@ impl Backend for CudaBackend {
                 ));
             }
             rows += r;
-            host.extend(to_bf16(&p.to_f32()));
         }
-        Ok(CudaMatrix {
-            data: self.upload(&host)?,
-            rows,
-            cols: cols.unwrap_or(0),
-        })
+        let cols = cols.unwrap_or(0);
+        let mut data = self.zeros::<bf16>(rows * cols)?;
+        // Each part's stored bytes go up as they are and become bf16 rows on the device.
+        let mut at = 0;
+        for p in parts {
+            let n = p.n_elements();
+            self.dequantize_into(p, &mut data.slice_mut(at..at + n))?;
+            at += n;
+        }
+        Ok(CudaMatrix { data, rows, cols })
     }
 
     fn vector(&self, v: &TensorView) -> Result<CudaSlice<f32>> {

@@ -61,6 +61,11 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        file: "dequant.cu",
+        source: include_str!("kernels/dequant.cu"),
+        entry_points: &["kiln_dequant_bf16"],
+    },
+    KernelSource {
         file: "sampling.cu",
         source: include_str!("kernels/sampling.cu"),
         entry_points: &[

@@ -4,6 +4,7 @@
 //! `--features cuda` binary starts, and says what is missing, on a machine without a GPU.
 
 mod backend;
+mod dequant;
 pub mod gpu;
 pub mod kernels;
 mod nccl_sweep;

@@ -14,7 +14,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TreeMask};
 use crate::error::Result;
 use crate::sampling::{Penalty, RowDraw, SamplingParams, TokenMask};
-use crate::weights::TensorView;
+use crate::weights::{DType, TensorView};
 
 /// bf16 outputs of f32-accumulated arithmetic: a few roundings of 2^-9, relative to the range.
 const TOL: f64 = 1e-2;
@@ -31,6 +31,51 @@ fn view(name: &str, rows: usize, cols: usize, values: &[f32]) -> Result<TensorVi
 
 fn vector_view(name: &str, values: &[f32]) -> Result<TensorView> {
     TensorView::from_f32(name.into(), "op-parity".into(), vec![values.len()], values)
+}
+
+/// A `[rows, cols]` tensor of `dtype` with random contents: random quantized bytes with sane
+/// f16 scales where the format keeps them, random values for the float types.
+fn stored(rng: &mut ChaCha8Rng, dtype: DType, rows: usize, cols: usize) -> Result<TensorView> {
+    let n = rows * cols;
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => random(rng, n, 2.0)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => random(rng, n, 2.0)
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::BF16 => random(rng, n, 2.0)
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => {
+            let block = dtype.block_bytes();
+            let scales: &[usize] = match dtype {
+                DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+                DType::Q6_K => &[208],
+                _ => &[0],
+            };
+            let mut b: Vec<u8> = (0..n / dtype.block_len() * block)
+                .map(|_| rng.random())
+                .collect();
+            for chunk in b.chunks_exact_mut(block) {
+                for &at in scales {
+                    let s = half::f16::from_f32(rng.random_range(-0.05..0.05));
+                    chunk[at..at + 2].copy_from_slice(&s.to_le_bytes());
+                }
+            }
+            b
+        }
+    };
+    TensorView::from_bytes(
+        format!("{dtype:?}"),
+        "op-parity".into(),
+        dtype,
+        vec![rows, cols],
+        &bytes,
+    )
 }
 
 /// A buffer holding `values` on any backend: the rows of a matrix, gathered by `embed`.
@@ -60,6 +105,28 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
             format!("matmul {n}x{cols} * {rows}x{cols}^T"),
             b.to_host(&y)?,
         ));
+    }
+
+    // Weights as stored, made bf16 on the device: every type kiln reads.
+    for dtype in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+    ] {
+        let (rows, cols) = (6usize, 512usize);
+        let t = stored(&mut rng, dtype, rows, cols)?;
+        let m = b.matrix(&[t], Precision::Exact)?;
+        let mut y = b.buffer(0, 0)?;
+        b.embed(&m, &(0..rows as u32).collect::<Vec<_>>(), &mut y)?;
+        out.push((format!("weights stored as {dtype:?}"), b.to_host(&y)?));
     }
 
     // Bias, norms, activation, residual add.
@@ -425,7 +492,7 @@ mod tests {
     fn every_case_runs_on_the_cpu_backend() {
         let cpu = CpuBackend::with_threads(2);
         let out = outputs(&cpu, 7).expect("the cases run");
-        assert_eq!(out.len(), 18);
+        assert_eq!(out.len(), 29);
         for (case, values) in &out {
             assert!(
                 !values.is_empty() && values.iter().all(|v| v.is_finite()),

@@ -1,0 +1,144 @@
+// Weights to bf16 on the GPU at load: the stored bytes of one tensor go up as they are, and one
+// thread per stored block writes its values (the bit layouts of ggml-quants.c, as the host's
+// weights/dtype.rs `dequantize` reads them). Every byte is read singly: GGUF blocks of 18, 20,
+// 22, 34 or 210 bytes sit at any alignment.
+//
+// `dtype` is the ggml type id: 0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K,
+// 13 Q5_K, 14 Q6_K, 30 BF16.
+
+typedef unsigned char u8;
+
+__device__ __forceinline__ float f16_at(const u8* b) {
+    const unsigned short h = (unsigned short)(b[0] | (b[1] << 8));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u32 u32_at(const u8* b) {
+    return (u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16) | ((u32)b[3] << 24);
+}
+
+// The 6-bit scale and min of sub-block j (0..8) of a Q4_K / Q5_K super-block.
+__device__ __forceinline__ void k_scale_min(int j, const u8* q, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *m = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4));
+        *m = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+extern "C" __global__ void kiln_dequant_bf16(const u8* __restrict__ src, int dtype, long n_blocks,
+                                             bf16* __restrict__ dst) {
+    const long blk = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (blk >= n_blocks) return;
+    switch (dtype) {
+    case 0: dst[blk] = f32_to_bf16(__uint_as_float(u32_at(src + blk * 4))); break;
+    case 1: dst[blk] = f32_to_bf16(f16_at(src + blk * 2)); break;
+    case 30: dst[blk] = (bf16)(src[blk * 2] | (src[blk * 2 + 1] << 8)); break;
+    case 2: {  // Q4_0: d, 16 bytes of nibbles, offset 8
+        const u8* b = src + blk * 18;
+        bf16* y = dst + blk * 32;
+        const float d = f16_at(b);
+        for (int j = 0; j < 16; j++) {
+            y[j] = f32_to_bf16((float)((int)(b[2 + j] & 0x0f) - 8) * d);
+            y[j + 16] = f32_to_bf16((float)((int)(b[2 + j] >> 4) - 8) * d);
+        }
+    } break;
+    case 3: {  // Q4_1: d, m, 16 bytes of nibbles
+        const u8* b = src + blk * 20;
+        bf16* y = dst + blk * 32;
+        const float d = f16_at(b), m = f16_at(b + 2);
+        for (int j = 0; j < 16; j++) {
+            y[j] = f32_to_bf16((float)(b[4 + j] & 0x0f) * d + m);
+            y[j + 16] = f32_to_bf16((float)(b[4 + j] >> 4) * d + m);
+        }
+    } break;
+    case 6: {  // Q5_0: d, 32 high bits, 16 bytes of nibbles, offset 16
+        const u8* b = src + blk * 22;
+        bf16* y = dst + blk * 32;
+        const float d = f16_at(b);
+        const u32 qh = u32_at(b + 2);
+        for (int j = 0; j < 16; j++) {
+            const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
+            y[j] = f32_to_bf16((float)(((b[6 + j] & 0x0f) | h0) - 16) * d);
+            y[j + 16] = f32_to_bf16((float)(((b[6 + j] >> 4) | h1) - 16) * d);
+        }
+    } break;
+    case 7: {  // Q5_1: d, m, 32 high bits, 16 bytes of nibbles
+        const u8* b = src + blk * 24;
+        bf16* y = dst + blk * 32;
+        const float d = f16_at(b), m = f16_at(b + 2);
+        const u32 qh = u32_at(b + 4);
+        for (int j = 0; j < 16; j++) {
+            const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
+            y[j] = f32_to_bf16((float)((b[8 + j] & 0x0f) | h0) * d + m);
+            y[j + 16] = f32_to_bf16((float)((b[8 + j] >> 4) | h1) * d + m);
+        }
+    } break;
+    case 8: {  // Q8_0: d, 32 signed bytes
+        const u8* b = src + blk * 34;
+        bf16* y = dst + blk * 32;
+        const float d = f16_at(b);
+        for (int j = 0; j < 32; j++) y[j] = f32_to_bf16((float)(signed char)b[2 + j] * d);
+    } break;
+    case 12: {  // Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+        const u8* b = src + blk * 144;
+        bf16* y = dst + blk * 256;
+        const float d = f16_at(b), dmin = f16_at(b + 2);
+        for (int c = 0; c < 4; c++) {
+            float sc1, m1, sc2, m2;
+            k_scale_min(2 * c, b + 4, &sc1, &m1);
+            k_scale_min(2 * c + 1, b + 4, &sc2, &m2);
+            const u8* q = b + 16 + 32 * c;
+            for (int l = 0; l < 32; l++) {
+                y[64 * c + l] = f32_to_bf16(d * sc1 * (float)(q[l] & 0x0f) - dmin * m1);
+                y[64 * c + l + 32] = f32_to_bf16(d * sc2 * (float)(q[l] >> 4) - dmin * m2);
+            }
+        }
+    } break;
+    case 13: {  // Q5_K: as Q4_K with 32 bytes of high bits before the nibbles
+        const u8* b = src + blk * 176;
+        bf16* y = dst + blk * 256;
+        const float d = f16_at(b), dmin = f16_at(b + 2);
+        const u8* qh = b + 16;
+        for (int c = 0; c < 4; c++) {
+            float sc1, m1, sc2, m2;
+            k_scale_min(2 * c, b + 4, &sc1, &m1);
+            k_scale_min(2 * c + 1, b + 4, &sc2, &m2);
+            const u8* q = b + 48 + 32 * c;
+            const u8 u1 = (u8)(1u << (2 * c)), u2 = (u8)(2u << (2 * c));
+            for (int l = 0; l < 32; l++) {
+                const int h1 = (qh[l] & u1) ? 16 : 0, h2 = (qh[l] & u2) ? 16 : 0;
+                y[64 * c + l] = f32_to_bf16(d * sc1 * (float)((q[l] & 0x0f) + h1) - dmin * m1);
+                y[64 * c + l + 32] = f32_to_bf16(d * sc2 * (float)((q[l] >> 4) + h2) - dmin * m2);
+            }
+        }
+    } break;
+    case 14: {  // Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 signed scales, d last
+        const u8* b = src + blk * 210;
+        bf16* y = dst + blk * 256;
+        const float d = f16_at(b + 208);
+        for (int half = 0; half < 2; half++) {
+            const u8* ql = b + 64 * half;
+            const u8* qh = b + 128 + 32 * half;
+            const signed char* sc = (const signed char*)(b + 192 + 8 * half);
+            bf16* out = y + 128 * half;
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = (int)((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) - 32;
+                const int q2 = (int)((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                out[l] = f32_to_bf16(d * (float)sc[is] * (float)q1);
+                out[l + 32] = f32_to_bf16(d * (float)sc[is + 2] * (float)q2);
+                out[l + 64] = f32_to_bf16(d * (float)sc[is + 4] * (float)q3);
+                out[l + 96] = f32_to_bf16(d * (float)sc[is + 6] * (float)q4);
+            }
+        }
+    } break;
+    default: break;
+    }
+}
