@@ -234,8 +234,20 @@ pub trait Backend: Send + Sync {
         src: &Self::Buffer,
         weights: &[f32],
     ) -> Result<()>;
-    /// Keeps only the listed rows, in order (before the LM head, which needs few of them).
-    fn gather_rows(&self, x: &Self::Buffer, rows: &[usize]) -> Result<Self::Buffer>;
+    /// Keeps only the listed rows of `x`, in order, in `out` (before the LM head, which needs
+    /// few of them).
+    fn gather_rows_into(
+        &self,
+        x: &Self::Buffer,
+        rows: &[usize],
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// [`Backend::gather_rows_into`] a new buffer.
+    fn gather_rows(&self, x: &Self::Buffer, rows: &[usize]) -> Result<Self::Buffer> {
+        let mut out = self.buffer(0, 0)?;
+        self.gather_rows_into(x, rows, &mut out)?;
+        Ok(out)
+    }
     /// Copies a buffer to host f32 values.
     fn to_host(&self, x: &Self::Buffer) -> Result<Vec<f32>>;
     /// Draws one token per row of `logits` (`draws.len()` rows of vocabulary width, the LM
@@ -249,6 +261,36 @@ pub trait Backend: Send + Sync {
     fn samples_in_place(&self) -> bool {
         false
     }
+
+    /// Whether this backend records decode steps into graphs and replays them (CUDA graphs).
+    fn records_graphs(&self) -> bool {
+        false
+    }
+    /// Starts recording (`capture`) or replaying the graph of batch size `bucket`: until
+    /// [`Backend::end_graph`], the ops of one forward are recorded into it, or only stage their
+    /// inputs for it. `context_bound` is the longest context any of its steps attends over;
+    /// `staging_bytes` what its inputs take at most.
+    fn begin_graph(
+        &self,
+        _bucket: usize,
+        _capture: bool,
+        _context_bound: usize,
+        _staging_bytes: usize,
+    ) -> Result<()> {
+        Err(crate::Error::Device(format!(
+            "the {} backend records no graphs",
+            self.name()
+        )))
+    }
+    /// Keeps the recorded graph, or launches the replayed one.
+    fn end_graph(&self) -> Result<()> {
+        Err(crate::Error::Device(format!(
+            "the {} backend records no graphs",
+            self.name()
+        )))
+    }
+    /// Leaves graph mode after a failure between begin and end.
+    fn abort_graph(&self) {}
     /// Sums `x` across the tensor-parallel group in place (CPU: threads; CUDA: NCCL).
     fn all_reduce_sum(
         &self,

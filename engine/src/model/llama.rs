@@ -79,6 +79,8 @@ pub struct Workspace<B: Backend> {
     proj: B::Buffer,
     gate_up: B::Buffer,
     act: B::Buffer,
+    /// The rows the LM head reads.
+    last: B::Buffer,
     /// Target layers whose incoming residual stream the step keeps (EAGLE-3's auxiliary hidden
     /// states; `n_layers` names the model's output after the final norm). Empty: none.
     pub capture_layers: Vec<usize>,
@@ -102,6 +104,7 @@ impl<B: Backend> Workspace<B> {
             proj: backend.buffer(0, 0)?,
             gate_up: backend.buffer(0, 0)?,
             act: backend.buffer(0, 0)?,
+            last: backend.buffer(0, 0)?,
             capture_layers: Vec::new(),
             captured: Vec::new(),
         })
@@ -548,6 +551,7 @@ impl<B: Backend> Llama<B> {
             proj: backend.buffer(max_tokens, c.hidden_size)?,
             gate_up: backend.buffer(max_tokens, 2 * ffn)?,
             act: backend.buffer(max_tokens, ffn)?,
+            last: backend.buffer(max_tokens, c.hidden_size)?,
             capture_layers: Vec::new(),
             captured: Vec::new(),
         })
@@ -622,9 +626,12 @@ impl<B: Backend> Llama<B> {
                 None => Ok(()),
             }
         };
-        ws.captured = (0..ws.capture_layers.len())
-            .map(|_| backend.buffer(0, 0))
-            .collect::<Result<_>>()?;
+        // Kept from step to step (a graph replay writes into the buffers it recorded).
+        if ws.captured.len() != ws.capture_layers.len() {
+            ws.captured = (0..ws.capture_layers.len())
+                .map(|_| backend.buffer(0, 0))
+                .collect::<Result<_>>()?;
+        }
         let all_rows: Vec<usize> = if ws.capture_layers.is_empty() {
             Vec::new()
         } else {
@@ -633,7 +640,7 @@ impl<B: Backend> Llama<B> {
         let capture = |ws: &mut Workspace<B>, layer: usize| -> Result<()> {
             for j in 0..ws.capture_layers.len() {
                 if ws.capture_layers[j] == layer {
-                    ws.captured[j] = backend.gather_rows(&ws.x, &all_rows)?;
+                    backend.gather_rows_into(&ws.x, &all_rows, &mut ws.captured[j])?;
                 }
             }
             Ok(())
@@ -725,8 +732,8 @@ impl<B: Backend> Llama<B> {
                 backend.rms_norm(&ws.x, &self.final_norm, c.rms_norm_eps, &mut ws.captured[j])?;
             }
         }
-        let last = backend.gather_rows(&ws.x, batch.logit_rows)?;
-        backend.rms_norm(&last, &self.final_norm, c.rms_norm_eps, &mut ws.h)?;
+        backend.gather_rows_into(&ws.x, batch.logit_rows, &mut ws.last)?;
+        backend.rms_norm(&ws.last, &self.final_norm, c.rms_norm_eps, &mut ws.h)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         backend.matmul(&ws.h, head, &mut ws.proj)
     }

@@ -395,13 +395,18 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn gather_rows(&self, x: &CpuBuffer, rows: &[usize]) -> Result<CpuBuffer> {
-        let mut out = CpuBuffer::default();
+    fn gather_rows_into(&self, x: &CpuBuffer, rows: &[usize], out: &mut CpuBuffer) -> Result<()> {
+        if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(Error::InvalidRequest(format!(
+                "gather_rows: row {bad} of {}",
+                x.rows
+            )));
+        }
         out.resize(rows.len(), x.cols);
         for (i, &r) in rows.iter().enumerate() {
             out.data[i * x.cols..(i + 1) * x.cols].copy_from_slice(x.row(r));
         }
-        Ok(out)
+        Ok(())
     }
 
     fn to_host(&self, x: &CpuBuffer) -> Result<Vec<f32>> {

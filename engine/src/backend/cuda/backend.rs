@@ -9,15 +9,19 @@
 //! [`Error::Device`], which the runner treats as the device lost (CUDA errors are sticky).
 
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 use half::bf16;
 
 use super::gpu::Gpu;
+use super::graphs::{GraphMode, Graphs};
+use super::staging::Staging;
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS};
 use crate::error::{Error, Result};
 use crate::parallel::Communicator;
@@ -80,12 +84,13 @@ impl CudaKvStore {
 /// worked out on the device from the table and the KV store's own block size (a model's cache and
 /// MLA's scratch store may differ), after the host checked every position against its table.
 pub struct CudaStepMeta<'a> {
-    positions: CudaSlice<i32>,
-    cache_pos: CudaSlice<i32>,
-    token_seq: CudaSlice<i32>,
-    block_tables: CudaSlice<i32>,
-    tree_base: CudaSlice<i32>,
-    tree_rows: CudaSlice<u64>,
+    /// Device addresses in the staging arena: `int*` (`u64*` for tree rows) to the kernels.
+    positions: u64,
+    cache_pos: u64,
+    token_seq: u64,
+    block_tables: u64,
+    tree_base: u64,
+    tree_rows: u64,
     max_blocks: usize,
     n_tokens: usize,
     /// The longest context any token of the step attends over (its cache position + 1).
@@ -129,7 +134,17 @@ pub struct CudaBackend {
     /// RoPE inverse frequencies on the device, per distinct spec (the model's, a draft head's).
     rope_tables: Mutex<Vec<RopeTable>>,
     scratch: Mutex<Scratch>,
+    /// Per-step uploads (staging.rs).
+    staging: Mutex<Staging>,
+    /// Decode graphs and whether ops now record or replay one (graphs.rs).
+    pub(super) graphs: Mutex<Graphs>,
+    /// Replaying a graph: ops stage their inputs and launch nothing (read on every launch).
+    pub(super) replaying: AtomicBool,
 }
+
+/// The staging arena's size: a step's metadata, ids and row lists for thousands of tokens; a
+/// decode graph's block tables (batch x blocks per context) are sized in before it is captured.
+const STAGING_BYTES: usize = 4 << 20;
 
 pub(super) fn cfg(grid: (usize, usize, usize), block: usize, shared: usize) -> LaunchConfig {
     LaunchConfig {
@@ -155,6 +170,7 @@ impl CudaBackend {
         let blas = gpu
             .blas()
             .map_err(|e| Error::Device(format!("--device cuda: {e}")))?;
+        let staging = Staging::new(&gpu.stream, STAGING_BYTES)?;
         Ok(CudaBackend {
             gpu,
             blas,
@@ -163,7 +179,105 @@ impl CudaBackend {
                 part_acc: None,
                 part_ml: None,
             }),
+            staging: Mutex::new(staging),
+            graphs: Mutex::new(Graphs::default()),
+            replaying: AtomicBool::new(false),
         })
+    }
+
+    /// Enqueues a launch, unless a graph replay is only staging its inputs (the graph holds
+    /// the launch).
+    ///
+    /// # Safety
+    /// As `LaunchArgs::launch`: the arguments and configuration match the kernel.
+    pub(super) unsafe fn launch(
+        &self,
+        b: &mut LaunchArgs<'_>,
+        c: LaunchConfig,
+        what: &'static str,
+    ) -> Result<()> {
+        if self.replaying.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        // SAFETY: the caller's.
+        unsafe { b.launch(c) }.map(|_| ()).map_err(dev(what))
+    }
+
+    /// Whether ops may allocate: never while recording or replaying a graph, whose addresses
+    /// are fixed (a warm-up step at the same shape grows every buffer first).
+    pub(super) fn may_allocate(&self, what: &str) -> Result<()> {
+        match self.graph_mode()? {
+            GraphMode::Eager => Ok(()),
+            _ => Err(Error::Device(format!(
+                "{what} would allocate inside a CUDA graph (its warm-up step did not size it)"
+            ))),
+        }
+    }
+
+    /// Uploads a step's host array through the staging arena; returns its device address,
+    /// valid until the next forward begins.
+    pub(super) fn stage<T: Copy + DeviceRepr>(&self, values: &[T]) -> Result<u64> {
+        let mode = self.graph_mode()?;
+        let mut st = self
+            .staging
+            .lock()
+            .map_err(|_| Error::Device("the staging arena was poisoned".into()))?;
+        let copy = mode != GraphMode::Replay;
+        match st.push(self.stream(), values, copy)? {
+            Some(ptr) => Ok(ptr),
+            None if mode == GraphMode::Eager => st.spill(self.stream(), values),
+            None => Err(Error::Device(format!(
+                "a CUDA graph's inputs outgrew the staging arena ({} bytes)",
+                st.bump.capacity
+            ))),
+        }
+    }
+
+    /// Makes the staging arena reusable: waits until the GPU has read what was staged since the
+    /// last reset (at the start of a forward or a graph, never inside one).
+    pub(super) fn restart_staging(&self) -> Result<()> {
+        let mut st = self
+            .staging
+            .lock()
+            .map_err(|_| Error::Device("the staging arena was poisoned".into()))?;
+        if st.bump.used > 0 {
+            self.stream()
+                .synchronize()
+                .map_err(dev("synchronize before reusing the staging arena"))?;
+            st.reset();
+        }
+        Ok(())
+    }
+
+    /// Refuses a graph whose staged inputs would not fit the arena recorded graphs point at.
+    pub(super) fn check_staging_fits(&self, bytes: usize) -> Result<()> {
+        let st = self
+            .staging
+            .lock()
+            .map_err(|_| Error::Device("the staging arena was poisoned".into()))?;
+        if st.bump.capacity < bytes {
+            return Err(Error::Device(format!(
+                "a CUDA graph needs {bytes} staging bytes, the arena has {} (record the largest \
+                 batch first)",
+                st.bump.capacity
+            )));
+        }
+        Ok(())
+    }
+
+    /// Grows the staging arena to at least `bytes` (before any graph captures its addresses).
+    pub(super) fn reserve_staging(&self, bytes: usize) -> Result<()> {
+        let mut st = self
+            .staging
+            .lock()
+            .map_err(|_| Error::Device("the staging arena was poisoned".into()))?;
+        if st.bump.capacity < bytes {
+            self.stream()
+                .synchronize()
+                .map_err(dev("synchronize before growing the staging arena"))?;
+            *st = Staging::new(self.stream(), bytes)?;
+        }
+        Ok(())
     }
 
     pub(super) fn stream(&self) -> &Arc<CudaStream> {
@@ -196,6 +310,7 @@ impl CudaBackend {
     /// Gives `buf` the shape `[rows, cols]`, reallocating only when it has to grow.
     fn shape(&self, buf: &mut CudaBuffer, rows: usize, cols: usize) -> Result<()> {
         if rows * cols > buf.data.len() {
+            self.may_allocate("a buffer")?;
             buf.data = self.zeros(rows * cols)?;
         }
         buf.rows = rows;
@@ -212,6 +327,7 @@ impl CudaBackend {
         if let Some((_, t)) = tables.iter().find(|(k, _)| *k == key) {
             return Ok(t.clone());
         }
+        self.may_allocate("a RoPE table")?;
         let t = Arc::new(self.upload(&spec.inv_freq)?);
         tables.push((key, t.clone()));
         Ok(t)
@@ -403,6 +519,7 @@ impl Backend for CudaBackend {
     }
 
     fn buffer(&self, n_rows: usize, width: usize) -> Result<CudaBuffer> {
+        self.may_allocate("a new buffer")?;
         Ok(CudaBuffer {
             data: self.zeros(n_rows * width)?,
             rows: n_rows,
@@ -444,16 +561,25 @@ impl Backend for CudaBackend {
         spans: &'a [SeqSpan<'a>],
     ) -> Result<CudaStepMeta<'a>> {
         let m = host_step_meta(positions, spans)?;
+        // A forward starts: the arena's earlier contents are done with (inside a graph the
+        // graph's begin did this, as a capture must not synchronize).
+        let max_context = match self.graph_mode()? {
+            GraphMode::Eager => {
+                self.restart_staging()?;
+                m.max_context
+            }
+            _ => self.graph_context_bound()?.max(m.max_context),
+        };
         Ok(CudaStepMeta {
-            positions: self.upload(&m.positions)?,
-            cache_pos: self.upload(&m.cache_pos)?,
-            token_seq: self.upload(&m.token_seq)?,
-            block_tables: self.upload(&m.block_tables)?,
-            tree_base: self.upload(&m.tree_base)?,
-            tree_rows: self.upload(&m.tree_rows)?,
+            positions: self.stage(&m.positions)?,
+            cache_pos: self.stage(&m.cache_pos)?,
+            token_seq: self.stage(&m.token_seq)?,
+            block_tables: self.stage(&m.block_tables)?,
+            tree_base: self.stage(&m.tree_base)?,
+            tree_rows: self.stage(&m.tree_rows)?,
             max_blocks: m.max_blocks,
             n_tokens: positions.len(),
-            max_context: m.max_context,
+            max_context,
             reach: m.reach,
             spans: PhantomData,
         })
@@ -470,7 +596,7 @@ impl Backend for CudaBackend {
         if ids.is_empty() {
             return Ok(());
         }
-        let ids_d = self.upload(ids)?;
+        let ids_d = self.stage(ids)?;
         let (vocab, width) = (int(table.rows), int(table.cols));
         let mut b = self.stream().launch_builder(self.f("kiln_embed_bf16")?);
         b.arg(&table.data)
@@ -479,7 +605,7 @@ impl Backend for CudaBackend {
             .arg(&vocab)
             .arg(&width);
         // SAFETY: as mlp.cu declares: grid = tokens, `out` holds tokens * width values.
-        unsafe { b.launch(cfg((ids.len(), 1, 1), 256, 0)) }.map_err(dev("embed launch"))?;
+        unsafe { self.launch(&mut b, cfg((ids.len(), 1, 1), 256, 0), "embed launch") }?;
         Ok(())
     }
 
@@ -514,6 +640,9 @@ impl Backend for CudaBackend {
             stride_bias: None,
             batch_size: None,
         };
+        if self.replaying.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         // SAFETY: the shapes above match the allocations: W holds rows * cols, x at least
         // x.rows * cols, out at least x.rows * w.rows values.
         unsafe {
@@ -532,8 +661,13 @@ impl Backend for CudaBackend {
         let mut b = self.stream().launch_builder(self.f("kiln_add_bias_bf16")?);
         b.arg(&mut x.data).arg(&stride).arg(&off).arg(bias).arg(&w);
         // SAFETY: as elementwise.cu declares; col_offset + width <= cols (the model's layout).
-        unsafe { b.launch(cfg((x.rows, width.div_ceil(256), 1), 256, 0)) }
-            .map_err(dev("add_bias launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((x.rows, width.div_ceil(256), 1), 256, 0),
+                "add_bias launch",
+            )
+        }?;
         Ok(())
     }
 
@@ -560,7 +694,7 @@ impl Backend for CudaBackend {
             .arg(&width)
             .arg(&eps);
         // SAFETY: as norm.cu declares: one block per row, a multiple of 32 threads.
-        unsafe { b.launch(cfg((x.rows, 1, 1), 256, 0)) }.map_err(dev("rms_norm launch"))?;
+        unsafe { self.launch(&mut b, cfg((x.rows, 1, 1), 256, 0), "rms_norm launch") }?;
         Ok(())
     }
 
@@ -587,8 +721,13 @@ impl Backend for CudaBackend {
             .arg(w)
             .arg(&eps);
         // SAFETY: as norm.cu declares: grid (rows, heads), one warp per head.
-        unsafe { b.launch(cfg((x.rows, n_heads, 1), 32, 0)) }
-            .map_err(dev("head_rms_norm launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((x.rows, n_heads, 1), 32, 0),
+                "head_rms_norm launch",
+            )
+        }?;
         Ok(())
     }
 
@@ -618,8 +757,13 @@ impl Backend for CudaBackend {
         }
         b.arg(&spec.position_scale).arg(&spec.attention_factor);
         // SAFETY: as rope.cu declares: grid (rows, heads), one thread per rotated pair.
-        unsafe { b.launch(cfg((x.rows, n_heads, 1), spec.rope_dim / 2, 0)) }
-            .map_err(dev("rope launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((x.rows, n_heads, 1), spec.rope_dim / 2, 0),
+                "rope launch",
+            )
+        }?;
         Ok(())
     }
 
@@ -650,10 +794,6 @@ impl Backend for CudaBackend {
         }
         let group = n_heads / n_kv_heads;
         let splits = self.attention_splits(n, n_kv_heads, meta.max_context);
-        let split_len = meta
-            .max_context
-            .div_ceil(splits)
-            .next_multiple_of(ATTN_TILE);
         let plane = kv.plane_len();
         let k_plane = kv.cache.slice(2 * layer * plane..(2 * layer + 1) * plane);
         let v_plane = kv
@@ -674,6 +814,7 @@ impl Backend for CudaBackend {
             (&mut scratch.part_ml, ml_len),
         ] {
             if slot.as_ref().is_none_or(|s| s.len() < len) {
+                self.may_allocate("the attention scratch")?;
                 *slot = Some(self.zeros(len)?);
             }
         }
@@ -690,7 +831,7 @@ impl Backend for CudaBackend {
             int(n_kv_heads),
             int(head_dim),
         ];
-        let (split_len_i, splits_i, stride) = (int(split_len), int(splits), int(qkv.cols));
+        let (splits_i, stride) = (int(splits), int(qkv.cols));
         let mut b = self
             .stream()
             .launch_builder(self.f("kiln_paged_attention_bf16")?);
@@ -707,7 +848,6 @@ impl Backend for CudaBackend {
         b.arg(&scale)
             .arg(&meta.tree_base)
             .arg(&meta.tree_rows)
-            .arg(&split_len_i)
             .arg(&splits_i)
             .arg(&mut out.data)
             .arg(&mut *part_acc)
@@ -715,8 +855,13 @@ impl Backend for CudaBackend {
         let shared = attention_shared_bytes(group, head_dim);
         // SAFETY: as attention.cu declares: grid (tokens, KV heads, splits), 128 threads, the
         // dynamic shared memory sized for this group; check_attention_shape bounds it (< 48 KiB).
-        unsafe { b.launch(cfg((n, n_kv_heads, splits), ATTN_THREADS, shared)) }
-            .map_err(dev("attention launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((n, n_kv_heads, splits), ATTN_THREADS, shared),
+                "attention launch",
+            )
+        }?;
         if splits > 1 {
             let (splits_i, heads_i, hd_i) = (int(splits), int(n_heads), int(head_dim));
             let mut b = self
@@ -729,8 +874,13 @@ impl Backend for CudaBackend {
                 .arg(&hd_i)
                 .arg(&mut out.data);
             // SAFETY: as attention.cu declares: grid (tokens, heads), head_dim threads.
-            unsafe { b.launch(cfg((n, n_heads, 1), head_dim, 0)) }
-                .map_err(dev("attention combine launch"))?;
+            unsafe {
+                self.launch(
+                    &mut b,
+                    cfg((n, n_heads, 1), head_dim, 0),
+                    "attention combine launch",
+                )
+            }?;
         }
         Ok(())
     }
@@ -776,7 +926,13 @@ impl Backend for CudaBackend {
             .arg(&width);
         // SAFETY: as attention.cu declares: one block per token; check_fits proved every cache
         // position inside its table, whose blocks the scheduler allocated inside this store.
-        unsafe { b.launch(cfg((meta.n_tokens, 1, 1), 128, 0)) }.map_err(dev("kv write launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((meta.n_tokens, 1, 1), 128, 0),
+                "kv write launch",
+            )
+        }?;
         Ok(())
     }
 
@@ -798,7 +954,7 @@ impl Backend for CudaBackend {
         };
         let from: Vec<i32> = moves.iter().map(|m| slot(m.0)).collect::<Result<_>>()?;
         let to: Vec<i32> = moves.iter().map(|m| slot(m.1)).collect::<Result<_>>()?;
-        let (from_d, to_d) = (self.upload(&from)?, self.upload(&to)?);
+        let (from_d, to_d) = (self.stage(&from)?, self.stage(&to)?);
         let (plane, width, n) = (kv.plane_len() as i64, int(kv.width), int(moves.len()));
         let mut b = self.stream().launch_builder(self.f("kiln_kv_move_bf16")?);
         b.arg(&mut kv.cache)
@@ -808,7 +964,13 @@ impl Backend for CudaBackend {
             .arg(&to_d)
             .arg(&n);
         // SAFETY: as attention.cu declares: one block per plane (2 per layer).
-        unsafe { b.launch(cfg((2 * kv.n_layers, 1, 1), 256, 0)) }.map_err(dev("kv move launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((2 * kv.n_layers, 1, 1), 256, 0),
+                "kv move launch",
+            )
+        }?;
         Ok(())
     }
 
@@ -823,8 +985,13 @@ impl Backend for CudaBackend {
         let mut b = self.stream().launch_builder(self.f("kiln_silu_mul_bf16")?);
         b.arg(&gu.data).arg(&mut out.data).arg(&rows).arg(&width);
         // SAFETY: as mlp.cu declares: one thread per output value.
-        unsafe { b.launch(cfg((total.div_ceil(256), 1, 1), 256, 0)) }
-            .map_err(dev("silu_mul launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((total.div_ceil(256), 1, 1), 256, 0),
+                "silu_mul launch",
+            )
+        }?;
         Ok(())
     }
 
@@ -843,7 +1010,7 @@ impl Backend for CudaBackend {
         let mut b = self.stream().launch_builder(self.f("kiln_add_bf16")?);
         b.arg(&mut x.data).arg(&y.data).arg(&n_i);
         // SAFETY: as elementwise.cu declares: one thread per value.
-        unsafe { b.launch(cfg((n.div_ceil(256), 1, 1), 256, 0)) }.map_err(dev("add launch"))?;
+        unsafe { self.launch(&mut b, cfg((n.div_ceil(256), 1, 1), 256, 0), "add launch") }?;
         Ok(())
     }
 
@@ -879,8 +1046,13 @@ impl Backend for CudaBackend {
             .arg(&ints[3])
             .arg(&ints[4]);
         // SAFETY: as elementwise.cu declares; the column ranges were checked above.
-        unsafe { b.launch(cfg((src.rows, width.div_ceil(256), 1), 256, 0)) }
-            .map_err(dev("copy_columns launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((src.rows, width.div_ceil(256), 1), 256, 0),
+                "copy_columns launch",
+            )
+        }?;
         Ok(())
     }
 
@@ -904,8 +1076,13 @@ impl Backend for CudaBackend {
             .arg(&ints[2])
             .arg(&factor);
         // SAFETY: as elementwise.cu declares.
-        unsafe { b.launch(cfg((x.rows, width.div_ceil(256), 1), 256, 0)) }
-            .map_err(dev("scale_columns launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((x.rows, width.div_ceil(256), 1), 256, 0),
+                "scale_columns launch",
+            )
+        }?;
         Ok(())
     }
 
@@ -929,7 +1106,7 @@ impl Backend for CudaBackend {
             ));
         }
         let rows_i: Vec<i32> = rows.iter().map(|&r| int(r)).collect();
-        let (rows_d, w_d) = (self.upload(&rows_i)?, self.upload(weights)?);
+        let (rows_d, w_d) = (self.stage(&rows_i)?, self.stage(weights)?);
         let (width, n) = (int(dst.cols), int(rows.len()));
         let mut b = self
             .stream()
@@ -941,15 +1118,20 @@ impl Backend for CudaBackend {
             .arg(&w_d)
             .arg(&n);
         // SAFETY: as elementwise.cu declares; rows were checked against dst above.
-        unsafe { b.launch(cfg((dst.cols.div_ceil(256), 1, 1), 256, 0)) }
-            .map_err(dev("scatter_add_rows launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((dst.cols.div_ceil(256), 1, 1), 256, 0),
+                "scatter_add_rows launch",
+            )
+        }?;
         Ok(())
     }
 
-    fn gather_rows(&self, x: &CudaBuffer, rows: &[usize]) -> Result<CudaBuffer> {
-        let mut out = self.buffer(rows.len(), x.cols)?;
+    fn gather_rows_into(&self, x: &CudaBuffer, rows: &[usize], out: &mut CudaBuffer) -> Result<()> {
+        self.shape(out, rows.len(), x.cols)?;
         if rows.is_empty() || x.cols == 0 {
-            return Ok(out);
+            return Ok(());
         }
         if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
             return Err(Error::Device(format!(
@@ -958,15 +1140,21 @@ impl Backend for CudaBackend {
             )));
         }
         let rows_i: Vec<i32> = rows.iter().map(|&r| int(r)).collect();
-        let rows_d = self.upload(&rows_i)?;
+        let rows_d = self.stage(&rows_i)?;
         let width = int(x.cols);
         let mut b = self
             .stream()
             .launch_builder(self.f("kiln_gather_rows_bf16")?);
         b.arg(&x.data).arg(&width).arg(&rows_d).arg(&mut out.data);
         // SAFETY: as elementwise.cu declares: one block per gathered row.
-        unsafe { b.launch(cfg((rows.len(), 1, 1), 256, 0)) }.map_err(dev("gather_rows launch"))?;
-        Ok(out)
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((rows.len(), 1, 1), 256, 0),
+                "gather_rows launch",
+            )
+        }?;
+        Ok(())
     }
 
     fn to_host(&self, x: &CudaBuffer) -> Result<Vec<f32>> {
@@ -987,6 +1175,28 @@ impl Backend for CudaBackend {
 
     fn samples_in_place(&self) -> bool {
         true
+    }
+
+    fn records_graphs(&self) -> bool {
+        true
+    }
+
+    fn begin_graph(
+        &self,
+        bucket: usize,
+        capture: bool,
+        context_bound: usize,
+        staging_bytes: usize,
+    ) -> Result<()> {
+        self.graph_begin(bucket, capture, context_bound, staging_bytes)
+    }
+
+    fn end_graph(&self) -> Result<()> {
+        self.graph_end()
+    }
+
+    fn abort_graph(&self) {
+        self.graph_abort()
     }
 
     fn all_reduce_sum(&self, x: &mut CudaBuffer, comm: &dyn Communicator) -> Result<()> {

@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaViewMut, PushKernelArg};
 use half::bf16;
 
-use super::backend::{CudaBackend, cfg, dev};
+use super::backend::{CudaBackend, cfg};
 use crate::error::{Error, Result};
 use crate::weights::{DType, TensorView};
 
@@ -58,8 +58,13 @@ impl CudaBackend {
         b.arg(&src).arg(&code).arg(&n_blocks).arg(dst);
         // SAFETY: dequant.cu reads n_blocks whole blocks of `code` from `src` (its length was
         // checked above) and writes block_len values per block into `dst` (n values).
-        unsafe { b.launch(cfg(((n_blocks as usize).div_ceil(256), 1, 1), 256, 0)) }
-            .map_err(dev("dequantize launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg(((n_blocks as usize).div_ceil(256), 1, 1), 256, 0),
+                "dequantize launch",
+            )
+        }?;
         Ok(())
     }
 }

@@ -82,8 +82,14 @@ impl Gpu {
             .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err("reading the SM count"))? as usize;
         let name = ctx.name().map_err(err("reading the device name"))?;
+        // One created stream carries everything: a graph cannot be captured on the legacy
+        // default stream. Event tracking is off before the first allocation: with one stream
+        // the order is the stream's, and cudarc's cross-stream event waits would break a capture.
+        // SAFETY: nothing is allocated on this context yet, and kiln uses this one stream only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(err("creating a stream"))?;
         Ok(Gpu {
-            stream: ctx.default_stream(),
+            stream,
             ctx,
             name,
             compute_capability,

@@ -6,12 +6,14 @@
 mod backend;
 mod dequant;
 pub mod gpu;
+mod graphs;
 pub mod kernels;
 mod nccl_sweep;
 pub mod op_parity;
 pub mod parity;
 mod probe;
 mod sample;
+mod staging;
 
 pub use backend::{
     CudaBackend, CudaBuffer, CudaKvStore, CudaMatrix, CudaStepMeta, HostStepMeta,

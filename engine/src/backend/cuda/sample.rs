@@ -161,11 +161,11 @@ impl CudaBackend {
             )));
         }
         let p = pack(draws, vocab)?;
-        let ints = self.upload(&p.ints)?;
-        let floats = self.upload(&p.floats)?;
-        let pen_tokens = self.upload(&p.pen_tokens)?;
-        let pen_values = self.upload(&p.pen_values)?;
-        let mask_words = self.upload(&p.mask_words)?;
+        let ints = self.stage(&p.ints)?;
+        let floats = self.stage(&p.floats)?;
+        let pen_tokens = self.stage(&p.pen_tokens)?;
+        let pen_values = self.stage(&p.pen_values)?;
+        let mask_words = self.stage(&p.mask_words)?;
         let mut work = self.zeros::<f32>(rows * vocab)?;
         let mut saved = self.zeros::<f32>(p.pen_tokens.len())?;
         let mut lse = self.zeros::<f32>(rows)?;
@@ -184,8 +184,13 @@ impl CudaBackend {
             .arg(&mut work);
         let col_blocks = vocab.div_ceil(PREPARE_THREADS);
         // SAFETY: as sampling.cu declares; rows on grid.x, columns on grid.y.
-        unsafe { b.launch(cfg((rows, col_blocks, 1), PREPARE_THREADS, 0)) }
-            .map_err(dev("sample prepare launch"))?;
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((rows, col_blocks, 1), PREPARE_THREADS, 0),
+                "sample prepare launch",
+            )
+        }?;
         if p.any_logprobs {
             let mut b = s.launch_builder(self.f("kiln_sample_stats")?);
             b.arg(&work)
@@ -195,8 +200,7 @@ impl CudaBackend {
                 .arg(&mut top_ids)
                 .arg(&mut top_lp);
             // SAFETY: one block per row.
-            unsafe { b.launch(cfg((rows, 1, 1), THREADS, 0)) }
-                .map_err(dev("sample stats launch"))?;
+            unsafe { self.launch(&mut b, cfg((rows, 1, 1), THREADS, 0), "sample stats launch") }?;
         }
         if !p.pen_tokens.is_empty() {
             let mut b = s.launch_builder(self.f("kiln_sample_penalties")?);
@@ -208,8 +212,7 @@ impl CudaBackend {
                 .arg(&pen_values)
                 .arg(&mut saved);
             // SAFETY: one block per row; a row's entries are distinct tokens.
-            unsafe { b.launch(cfg((rows, 1, 1), 128, 0)) }
-                .map_err(dev("sample penalties launch"))?;
+            unsafe { self.launch(&mut b, cfg((rows, 1, 1), 128, 0), "sample penalties launch") }?;
         }
         let mut b = s.launch_builder(self.f("kiln_sample_draw")?);
         b.arg(&work)
@@ -222,7 +225,7 @@ impl CudaBackend {
             .arg(&mut out)
             .arg(&mut out_lp);
         // SAFETY: one block per row.
-        unsafe { b.launch(cfg((rows, 1, 1), THREADS, 0)) }.map_err(dev("sample draw launch"))?;
+        unsafe { self.launch(&mut b, cfg((rows, 1, 1), THREADS, 0), "sample draw launch") }?;
 
         let out = s.clone_dtoh(&out).map_err(dev("copy to the host"))?;
         let (logprob, ids, lps) = if p.any_logprobs {

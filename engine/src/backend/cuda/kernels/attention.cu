@@ -70,7 +70,7 @@ extern "C" __global__ void kiln_paged_attention_bf16(
     int max_blocks, int block_size, int n_heads, int n_kv_heads, int head_dim, float scale,
     const int* __restrict__ tree_base,     // [tokens]
     const u64* __restrict__ tree_rows,     // [tokens]
-    int split_len, int n_splits,
+    int n_splits,
     bf16* __restrict__ out,                // [tokens, n_heads * head_dim] (one split)
     float* __restrict__ part_acc,          // [tokens, n_heads, n_splits, head_dim] (several)
     float* __restrict__ part_ml) {         // [tokens, n_heads, n_splits, 2]
@@ -93,6 +93,10 @@ extern "C" __global__ void kiln_paged_attention_bf16(
     const int* table = block_tables + (long)seq * max_blocks;
     const int base = tree_base[t];
     const u64 row_bits = tree_rows[t];
+    // Each token divides its own context among the splits (whole tiles each), so the split
+    // count may be fixed for a recorded graph whatever the context.
+    const int per_split = (pos + n_splits) / n_splits;  // ceil((pos + 1) / n_splits)
+    const int split_len = (per_split + KILN_ATTN_TILE - 1) / KILN_ATTN_TILE * KILN_ATTN_TILE;
     const int start = split * split_len;
     const int end = min(pos + 1, start + split_len);
 

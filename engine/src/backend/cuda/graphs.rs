@@ -1,0 +1,141 @@
+//! CUDA graphs for decode steps. The runner pads a decode batch to a bucket and, per bucket,
+//! has the backend record one forward into a graph at warm-up; every later step of that bucket
+//! replays it. A replay runs the same forward on the host with launches suppressed: each op
+//! still stages its inputs (step metadata, token ids, row lists) at the offsets the recording
+//! used (staging.rs), so the graph's copy nodes pick up this step's values, and then the graph
+//! is launched whole: one launch instead of hundreds.
+//!
+//! What makes a recorded step valid for every later step of its bucket: buffers sized by a
+//! warm-up step first (an allocation inside a graph is refused), block tables padded to one
+//! width, and attention split by a context bound rather than this step's context (each token
+//! divides its own context among the splits, so the split count may be fixed).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{CudaGraph, sys};
+
+use super::backend::{CudaBackend, dev};
+use crate::error::{Error, Result};
+
+/// What the ops do now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum GraphMode {
+    /// Launch as they go.
+    #[default]
+    Eager,
+    /// Record into the graph of a bucket.
+    Capture,
+    /// Stage inputs only, for the graph of a bucket.
+    Replay,
+}
+
+/// A recorded graph. cudarc's graph is not `Send`: it is used only under the backend's lock.
+struct Recorded(CudaGraph);
+
+// SAFETY: every use of the graph happens with the `Graphs` mutex held, one thread at a time.
+unsafe impl Send for Recorded {}
+
+#[derive(Default)]
+pub struct Graphs {
+    mode: GraphMode,
+    /// The bucket being recorded or replayed.
+    bucket: usize,
+    /// The longest context a graph's steps attend over (fixes the attention's split count).
+    context_bound: usize,
+    recorded: HashMap<usize, Recorded>,
+}
+
+impl CudaBackend {
+    fn graphs(&self) -> Result<std::sync::MutexGuard<'_, Graphs>> {
+        self.graphs
+            .lock()
+            .map_err(|_| Error::Device("the CUDA graph state was poisoned".into()))
+    }
+
+    pub(super) fn graph_mode(&self) -> Result<GraphMode> {
+        Ok(self.graphs()?.mode)
+    }
+
+    pub(super) fn graph_context_bound(&self) -> Result<usize> {
+        Ok(self.graphs()?.context_bound)
+    }
+
+    /// Starts recording (`capture`) or replaying the graph of `bucket`.
+    pub(super) fn graph_begin(
+        &self,
+        bucket: usize,
+        capture: bool,
+        context_bound: usize,
+        staging_bytes: usize,
+    ) -> Result<()> {
+        if self.graph_mode()? != GraphMode::Eager {
+            return Err(Error::Device("a CUDA graph began inside another".into()));
+        }
+        if capture {
+            // The arena's addresses go into the graph: it must not move afterwards.
+            if !self.graphs()?.recorded.is_empty() {
+                self.check_staging_fits(staging_bytes)?;
+            } else {
+                self.reserve_staging(staging_bytes)?;
+            }
+        } else if !self.graphs()?.recorded.contains_key(&bucket) {
+            return Err(Error::Device(format!(
+                "no CUDA graph was recorded for batch size {bucket}"
+            )));
+        }
+        // Outside the graph: a capture may not synchronize, and a replay's staging must start
+        // at the offsets the recording used.
+        self.restart_staging()?;
+        let mut g = self.graphs()?;
+        g.bucket = bucket;
+        g.context_bound = context_bound;
+        if capture {
+            self.stream()
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(dev("begin graph capture"))?;
+            g.mode = GraphMode::Capture;
+        } else {
+            g.mode = GraphMode::Replay;
+            self.replaying.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Ends a recording (keeping the graph) or launches the replayed one.
+    pub(super) fn graph_end(&self) -> Result<()> {
+        let mut g = self.graphs()?;
+        let bucket = g.bucket;
+        match std::mem::take(&mut g.mode) {
+            GraphMode::Eager => Err(Error::Device("a CUDA graph ended that never began".into())),
+            GraphMode::Capture => {
+                let graph = self
+                    .stream()
+                    .end_capture(sys::CUgraphInstantiate_flags(0))
+                    .map_err(dev("end graph capture"))?
+                    .ok_or_else(|| Error::Device("the CUDA graph capture was empty".into()))?;
+                graph.upload().map_err(dev("graph upload"))?;
+                g.recorded.insert(bucket, Recorded(graph));
+                Ok(())
+            }
+            GraphMode::Replay => {
+                self.replaying.store(false, Ordering::Relaxed);
+                let graph = g.recorded.get(&bucket).ok_or_else(|| {
+                    Error::Device(format!("no CUDA graph for batch size {bucket}"))
+                })?;
+                graph.0.launch().map_err(dev("graph launch"))
+            }
+        }
+    }
+
+    /// Leaves graph mode after a failure in between; a broken recording is discarded.
+    pub(super) fn graph_abort(&self) {
+        self.replaying.store(false, Ordering::Relaxed);
+        if let Ok(mut g) = self.graphs.lock()
+            && std::mem::take(&mut g.mode) == GraphMode::Capture
+        {
+            // Ending the capture is the only way out of it; the partial graph is dropped.
+            let _ = self.stream().end_capture(sys::CUgraphInstantiate_flags(0));
+        }
+    }
+}
