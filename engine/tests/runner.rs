@@ -8,8 +8,8 @@ use kiln::backend::Precision;
 use kiln::generate::FinishReason;
 use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::runner::{
-    Device, LoadSpec, ModelRunner, RunnerConfig, SamplingSite, SeqParams, SeqPlan, StepOutput,
-    StepPlan, TokenMask,
+    Device, GraphUse, LoadSpec, ModelRunner, RunnerConfig, SamplingSite, SeqParams, SeqPlan,
+    StepOutput, StepPlan, TokenMask,
 };
 use kiln::sampling::SamplingParams;
 use kiln::speculation::{SpecConfig, SpecMethod};
@@ -36,6 +36,7 @@ fn runner_at(spec: SpecConfig, sampling: SamplingSite) -> Box<dyn ModelRunner> {
             max_step_tokens: 256,
             spec,
             sampling,
+            graphs: GraphUse::Off,
         },
     };
     kiln::runner::load(&load, &mut |_| {}).expect("load").0
@@ -290,4 +291,107 @@ fn sampling_through_the_backend_op_matches_the_host_path() {
         ids(&want)[..],
         "sampling at t = 1.5 drew the greedy tokens"
     );
+}
+
+/// Several sequences decoding together, as the engine drives them.
+fn batch_run(
+    r: &mut dyn ModelRunner,
+    prompts: &[Vec<u32>],
+    steps: usize,
+) -> (Vec<Vec<u32>>, Vec<Option<usize>>) {
+    let (n_blocks, block) = r.kv_layout();
+    let mut alloc = BlockAllocator::new(n_blocks, block);
+    let mut seqs: Vec<Seq> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            r.admit(i as u64, greedy(), p);
+            Seq {
+                tokens: p.clone(),
+                computed: 0,
+                blocks: SeqBlocks::default(),
+            }
+        })
+        .collect();
+    let mut buckets = Vec::new();
+    for _ in 0..steps {
+        for s in seqs.iter_mut() {
+            s.blocks
+                .reserve(&mut alloc, s.tokens.len())
+                .expect("blocks");
+        }
+        let plan = StepPlan {
+            seqs: seqs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| SeqPlan {
+                    id: i as u64,
+                    tokens: &s.tokens,
+                    computed: s.computed,
+                    cached_prefix: 0,
+                    n_new: s.tokens.len() - s.computed,
+                    block_table: &s.blocks.table,
+                    decoding: s.tokens.len() - s.computed == 1,
+                    draft_room: 0,
+                    tokens_left: 1 << 20,
+                    context_left: 1 << 20,
+                    mask: None,
+                })
+                .collect(),
+        };
+        let out = r.execute(&plan).expect("step");
+        buckets.push(out.graph_bucket);
+        for (s, o) in seqs.iter_mut().zip(&out.seqs) {
+            s.computed = s.tokens.len();
+            s.tokens.extend(o.tokens.iter().map(|t| t.token));
+        }
+    }
+    for i in 0..prompts.len() {
+        r.release(i as u64);
+    }
+    (seqs.into_iter().map(|s| s.tokens).collect(), buckets)
+}
+
+/// Decode steps padded to their graph bucket (three sequences run as four, the fourth writing
+/// to a block of its own) emit exactly the tokens of unpadded steps, with host sampling and
+/// with every row drawn by the backend's op.
+#[test]
+fn decode_steps_padded_to_graph_buckets_keep_every_token() {
+    let load = |graphs, sampling| {
+        let load = LoadSpec {
+            device: Device::Cpu,
+            model: common::smollm2(),
+            precision: Precision::Exact,
+            threads: Some(2),
+            tensor_parallel: 1,
+            collective_timeout: std::time::Duration::from_secs(60),
+            draft_model: None,
+            mem_fraction: None,
+            runner: RunnerConfig {
+                kv_tokens: 1024,
+                block_size: BLOCK,
+                max_step_tokens: 256,
+                spec: SpecConfig::default(),
+                sampling,
+                graphs,
+            },
+        };
+        kiln::runner::load(&load, &mut |_| {}).expect("load").0
+    };
+    let mut plain = load(GraphUse::Off, SamplingSite::Auto);
+    let tok = plain.info().tokenizer.clone();
+    let prompts: Vec<Vec<u32>> = ["The capital of France is", "def fib(n):", "1, 2, 3,"]
+        .iter()
+        .map(|p| tok.encode(p, true).expect("encode"))
+        .collect();
+    let (want, buckets) = batch_run(plain.as_mut(), &prompts, 10);
+    assert!(buckets.iter().all(Option::is_none));
+    for sampling in [SamplingSite::Auto, SamplingSite::Backend] {
+        let mut padded = load(GraphUse::PadOnly { max_bs: 8 }, sampling);
+        let (got, buckets) = batch_run(padded.as_mut(), &prompts, 10);
+        // The prefill step is eager; every decode step of three ran as a bucket of four.
+        assert_eq!(buckets[0], None);
+        assert!(buckets[1..].iter().all(|&b| b == Some(4)), "{buckets:?}");
+        assert_eq!(got, want, "padding changed the tokens ({sampling:?})");
+    }
 }

@@ -61,6 +61,18 @@ pub struct TreeMask<'a> {
 /// Most positions a [`TreeMask`] covers (bits in a row).
 pub const TREE_MAX_POSITIONS: usize = 64;
 
+/// What one forward does for a decode graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphPhase {
+    /// Runs eagerly shaped as the graph will be (attention split for the context bound), so
+    /// every buffer the graph uses reaches its size before recording.
+    WarmUp,
+    /// Records the ops into the graph instead of running them.
+    Record,
+    /// Stages this step's inputs where the recording read them; the end launches the graph.
+    Replay,
+}
+
 /// RoPE tables shared by all layers.
 #[derive(Clone, Debug)]
 pub struct RopeSpec {
@@ -266,14 +278,13 @@ pub trait Backend: Send + Sync {
     fn records_graphs(&self) -> bool {
         false
     }
-    /// Starts recording (`capture`) or replaying the graph of batch size `bucket`: until
-    /// [`Backend::end_graph`], the ops of one forward are recorded into it, or only stage their
-    /// inputs for it. `context_bound` is the longest context any of its steps attends over;
-    /// `staging_bytes` what its inputs take at most.
+    /// Starts a phase of the graph of batch size `bucket` (see [`GraphPhase`]) that lasts one
+    /// forward, until [`Backend::end_graph`]. `context_bound` is the longest context any of its
+    /// steps attends over; `staging_bytes` what its inputs take at most.
     fn begin_graph(
         &self,
         _bucket: usize,
-        _capture: bool,
+        _phase: GraphPhase,
         _context_bound: usize,
         _staging_bytes: usize,
     ) -> Result<()> {
@@ -282,7 +293,7 @@ pub trait Backend: Send + Sync {
             self.name()
         )))
     }
-    /// Keeps the recorded graph, or launches the replayed one.
+    /// Ends the phase: keeps the recorded graph, or launches the replayed one.
     fn end_graph(&self) -> Result<()> {
         Err(crate::Error::Device(format!(
             "the {} backend records no graphs",

@@ -9,7 +9,7 @@ use kiln::backend::Precision;
 use kiln::backend::TREE_MAX_POSITIONS;
 use kiln::catalog::DEFAULT_MODEL;
 use kiln::lock::DriftPolicy;
-use kiln::runner::{Device, KvSize};
+use kiln::runner::{Device, GraphUse, KvSize};
 use kiln::server::state::{Canary, LockGuard, ServeOptions};
 use kiln::speculation::{SpecConfig, SpecMethod, SpecPolicy};
 use serde::{Deserialize, Serialize};
@@ -87,6 +87,14 @@ pub struct ServeArgs {
     /// [default: 0.85].
     #[arg(long)]
     mem_fraction_static: Option<f64>,
+    /// GPU only (SGLang's flag): decode steps of up to this many sequences replay CUDA graphs
+    /// recorded at start, one per batch-size bucket (1, 2, 4, 8, then every 8) [default: 128].
+    #[arg(long)]
+    cuda_graph_max_bs: Option<usize>,
+    /// GPU only (SGLang's flag): run every decode step eagerly, recording no CUDA graphs.
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    disable_cuda_graph: bool,
     /// Tokens per KV block [default: 16].
     #[arg(long)]
     block_size: Option<usize>,
@@ -172,6 +180,7 @@ port = 8000
 mode = "fast"
 device = "cpu"
 block-size = 16
+cuda-graph-max-bs = 128
 max-running = 64
 max-step-tokens = 512
 max-queue = 256
@@ -359,6 +368,13 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         tensor_parallel: positive("tensor-parallel-size", a.tensor_parallel_size)?,
         shutdown_timeout: Duration::from_secs(given("shutdown-timeout", a.shutdown_timeout)?),
         overlap: !a.no_overlap,
+        graphs: if a.disable_cuda_graph {
+            GraphUse::Off
+        } else {
+            GraphUse::Record {
+                max_bs: positive("cuda-graph-max-bs", a.cuda_graph_max_bs)?,
+            }
+        },
         spec,
         draft_model: a.speculative_draft_model_path.clone(),
         notify_socket: std::env::var_os("NOTIFY_SOCKET").map(PathBuf::from),

@@ -79,6 +79,8 @@ fn why(key: &str) -> &'static str {
         "kv-tokens" => "KV cache size in tokens, shared by all running sequences",
         "mem-fraction-static" => "fraction of the GPU's memory for the weights plus the KV pool",
         "block-size" => "tokens per paged KV block",
+        "cuda-graph-max-bs" => "GPU: decode batches up to this size replay recorded CUDA graphs",
+        "disable-cuda-graph" => "GPU: every decode step runs eagerly",
         "max-running" => "sequences batched in one step, at most",
         "max-step-tokens" => "tokens per step (decode plus chunked prefill), at most",
         "max-model-len" => "longest prompt + completion",

@@ -9,11 +9,13 @@
 //! - `load`: a model path and settings to a runner and the [`ModelInfo`] the server shows;
 //! - `model_runner`: [`Runner`], the step itself (drafts, batch, forward, acceptance);
 //! - `drafter`: n-gram and EAGLE-3 (chain and tree) drafting behind one interface;
+//! - `graphs`: decode steps padded to batch-size buckets and replayed from recorded graphs;
 //! - `accept`: logits rows to emitted tokens (sampling, verification, tree walks, stop rules).
 
 mod accept;
 pub mod device;
 mod drafter;
+pub mod graphs;
 pub mod load;
 pub mod memory;
 mod model_runner;
@@ -22,6 +24,7 @@ pub mod plan;
 use std::sync::Arc;
 
 pub use device::{Device, WithBackend};
+pub use graphs::GraphUse;
 pub use load::{LoadSpec, load};
 pub use memory::KvSize;
 pub use model_runner::Runner;
@@ -64,6 +67,8 @@ pub struct RunnerConfig {
     pub spec: SpecConfig,
     /// Where tokens are drawn from the logits.
     pub sampling: SamplingSite,
+    /// Decode steps from recorded graphs (`--cuda-graph-max-bs`, `--disable-cuda-graph`).
+    pub graphs: GraphUse,
 }
 
 /// Where a step's tokens are drawn from its logits.

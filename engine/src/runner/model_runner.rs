@@ -1,15 +1,16 @@
 //! [`Runner`]: one step is drafts -> batch -> forward -> acceptance -> draft catch-up, over any
 //! backend. The engine sees none of it: plan in, emitted tokens out.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::accept::{self, DrawnRows, HostRows, Rows, StopRule};
 use super::drafter::{Drafter, Drafts};
+use super::graphs::{DecodeGraphs, GraphUse, Padded};
 use super::plan::{SeqOutput, SeqParams, StepOutput, StepPlan};
 use super::{ModelInfo, ModelRunner, RunnerConfig, SamplingSite};
-use crate::backend::{Backend, SeqSpan, TreeMask};
+use crate::backend::{Backend, GraphPhase, SeqSpan, TreeMask};
 use crate::batching::scheduler::SeqId;
 use crate::error::Result;
 use crate::kv_cache::{BlockAllocator, SeqBlocks};
@@ -38,6 +39,10 @@ pub struct Runner<B: Backend> {
     drafter: Drafter<B>,
     policy: Policy,
     seqs: HashMap<SeqId, SeqSlot>,
+    /// Decode steps padded to buckets (and replayed from graphs when they record).
+    graphs: Option<DecodeGraphs>,
+    /// Buckets whose graph is recorded (the backend may drop them all when a buffer grows).
+    recorded: HashSet<usize>,
 }
 
 /// One planned sequence as the batch lays it out.
@@ -63,10 +68,12 @@ impl<B: Backend> Runner<B> {
     ) -> Result<Runner<B>> {
         let c = model.config();
         let n_blocks = cfg.n_blocks();
-        // This rank's KV heads only (all of them without tensor parallelism).
+        let graphs = Self::decode_graphs(&model, &cfg, tp.is_some());
+        // This rank's KV heads only (all of them without tensor parallelism), and the block
+        // padding sequences write to.
         let kv = model.backend.kv_store(
             c.n_layers,
-            n_blocks,
+            n_blocks + usize::from(graphs.is_some()),
             cfg.block_size,
             model.model.local_kv_width(),
             model.model.precision,
@@ -84,11 +91,129 @@ impl<B: Backend> Runner<B> {
             info,
             cfg,
             seqs: HashMap::new(),
+            graphs,
+            recorded: HashSet::new(),
         };
+        if runner.graphs.as_ref().is_some_and(|g| g.record) {
+            runner.record_graphs();
+        }
         if runner.policy.enabled() && cfg.spec.adaptive {
             runner.calibrate();
         }
         Ok(runner)
+    }
+
+    /// The decode graphs this runner uses: recorded ones on a backend that records them, for a
+    /// model whose forward has no host round trip (MoE routing reads the router's logits on the
+    /// host; MLA is not graphed yet), without tensor parallelism.
+    fn decode_graphs(model: &LoadedModel<B>, cfg: &RunnerConfig, tp: bool) -> Option<DecodeGraphs> {
+        let c = model.config();
+        let (max_bs, record) = match cfg.graphs {
+            GraphUse::Off => return None,
+            GraphUse::PadOnly { max_bs } => (max_bs, false),
+            GraphUse::Record { max_bs } => (max_bs, true),
+        };
+        let graphable = !tp && c.moe.is_none() && c.mla.is_none();
+        if max_bs == 0 || !graphable || (record && !model.backend.records_graphs()) {
+            return None;
+        }
+        Some(DecodeGraphs::new(
+            max_bs,
+            cfg.n_blocks(),
+            cfg.block_size,
+            c.max_context,
+            record,
+        ))
+    }
+
+    /// Records every bucket's graph at start: an eager warm-up of each first (largest first),
+    /// so every buffer reaches its size before any graph points at it, then the recordings. A
+    /// failure leaves decode eager, and says so.
+    fn record_graphs(&mut self) {
+        let Some(g) = self.graphs.clone() else {
+            return;
+        };
+        let t = Instant::now();
+        let result = (|| -> Result<()> {
+            for &b in g.buckets.iter().rev() {
+                self.graph_phase(&g.warm_up_step(b), GraphPhase::WarmUp)?;
+            }
+            for &b in g.buckets.iter().rev() {
+                self.graph_phase(&g.warm_up_step(b), GraphPhase::Record)?;
+                self.recorded.insert(b);
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => tracing::info!(
+                "recorded decode graphs for batch sizes {:?} in {:.1} s",
+                g.buckets,
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                tracing::warn!("decode graphs are off, decode runs eagerly: {e}");
+                self.graphs = None;
+                self.recorded.clear();
+            }
+        }
+    }
+
+    /// One forward of a padded step inside a graph phase (no phase: eagerly, padding only).
+    fn graph_phase(&mut self, p: &Padded, phase: GraphPhase) -> Result<()> {
+        let Some(g) = &self.graphs else {
+            return Err(crate::Error::Device("decode graphs are off".into()));
+        };
+        let (bound, bytes) = (
+            g.context_bound,
+            g.staging_bytes(g.buckets.last().copied().unwrap_or(p.bucket)),
+        );
+        let spans = p.spans();
+        let batch = ForwardBatch {
+            tokens: &p.tokens,
+            positions: &p.positions,
+            spans: &spans,
+            logit_rows: &p.logit_rows,
+        };
+        let backend = &self.model.backend;
+        backend.begin_graph(p.bucket, phase, bound, bytes)?;
+        let run = self
+            .model
+            .model
+            .forward_in_place(backend, &mut self.kv, &batch, &mut self.ws)
+            .and_then(|()| backend.end_graph());
+        if run.is_err() {
+            backend.abort_graph();
+        }
+        run
+    }
+
+    /// A padded decode step: replayed from its bucket's graph (recorded again first if the
+    /// backend dropped it), or eagerly when graphs only pad. The logits stay in the workspace.
+    fn forward_padded(&mut self, p: &Padded) -> Result<()> {
+        let record = self.graphs.as_ref().is_some_and(|g| g.record);
+        if !record {
+            let spans = p.spans();
+            let batch = ForwardBatch {
+                tokens: &p.tokens,
+                positions: &p.positions,
+                spans: &spans,
+                logit_rows: &p.logit_rows,
+            };
+            return self.forward_in_place(&batch);
+        }
+        if self.recorded.contains(&p.bucket) && self.graph_phase(p, GraphPhase::Replay).is_ok() {
+            return Ok(());
+        }
+        // Not recorded, or dropped when a buffer grew: record it again, then replay.
+        self.recorded.remove(&p.bucket);
+        let Some(g) = self.graphs.clone() else {
+            return Err(crate::Error::Device("decode graphs are off".into()));
+        };
+        let warm = g.warm_up_step(p.bucket);
+        self.graph_phase(&warm, GraphPhase::WarmUp)?;
+        self.graph_phase(&warm, GraphPhase::Record)?;
+        self.recorded.insert(p.bucket);
+        self.graph_phase(p, GraphPhase::Replay)
     }
 
     /// Seeds the speculation policy's cost table: timed forwards of 1..64 tokens on scratch
@@ -147,6 +272,16 @@ impl<B: Backend> Runner<B> {
                 SamplingSite::Auto => self.model.backend.samples_in_place(),
                 SamplingSite::Backend => true,
             }
+    }
+
+    /// The step's forward: logits left in the workspace for the backend to sample, or copied
+    /// to the host.
+    fn forward_either(&mut self, batch: &ForwardBatch<'_>, in_backend: bool) -> Result<Vec<f32>> {
+        if in_backend {
+            self.forward_in_place(batch).map(|()| Vec::new())
+        } else {
+            self.forward(batch)
+        }
     }
 
     /// Like [`Runner::forward`], leaving the logits in the workspace.
@@ -302,11 +437,25 @@ impl<B: Backend> ModelRunner for Runner<B> {
             logit_rows: &logit_rows,
         };
         let in_backend = self.samples_in_backend();
+        let padded = self
+            .graphs
+            .as_ref()
+            .and_then(|g| g.pad(&tokens, &positions, &spans, &logit_rows));
         let t = Instant::now();
-        let logits = if in_backend {
-            self.forward_in_place(&batch).map(|()| Vec::new())
-        } else {
-            self.forward(&batch)
+        let logits = match &padded {
+            Some(p) => match self.forward_padded(p) {
+                // The padding rows' logits follow the real ones and are never read.
+                Ok(()) if in_backend => Ok(Vec::new()),
+                Ok(()) => self.model.backend.to_host(self.ws.logits()),
+                Err(e) if e.backend_lost() => Err(e),
+                Err(e) => {
+                    tracing::warn!("decode graphs are off, decode runs eagerly: {e}");
+                    self.graphs = None;
+                    self.recorded.clear();
+                    self.forward_either(&batch, in_backend)
+                }
+            },
+            None => self.forward_either(&batch, in_backend),
         };
         self.policy
             .record_step(tokens.len(), t.elapsed().as_secs_f64());
@@ -390,6 +539,11 @@ impl<B: Backend> ModelRunner for Runner<B> {
             chosen_k: drafts.chosen_k,
             draft_parked: parked,
             forward_tokens: tokens.len(),
+            graph_bucket: if self.graphs.is_some() {
+                padded.map(|p| p.bucket)
+            } else {
+                None
+            },
         })
     }
 }

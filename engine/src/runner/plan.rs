@@ -92,4 +92,7 @@ pub struct StepOutput {
     pub draft_parked: bool,
     /// Tokens the forward ran, drafts included.
     pub forward_tokens: usize,
+    /// The batch-size bucket a plain decode step was padded to (and replayed from a graph when
+    /// the backend records them); `None`: an eager step.
+    pub graph_bucket: Option<usize>,
 }

@@ -182,6 +182,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
             max_step_tokens: opts.max_step_tokens,
             spec: opts.spec,
             sampling: Default::default(),
+            graphs: opts.graphs,
         },
     };
     let n2 = notifier.clone();

@@ -40,6 +40,8 @@ pub struct ServeOptions {
     pub shutdown_timeout: Duration,
     pub instance: String,
     pub overlap: bool,
+    /// Decode steps from CUDA graphs (`--cuda-graph-max-bs`, `--disable-cuda-graph`).
+    pub graphs: crate::runner::GraphUse,
     pub spec: crate::speculation::SpecConfig,
     /// The EAGLE-3 draft head's directory (with `--speculative-algorithm eagle3`).
     pub draft_model: Option<PathBuf>,

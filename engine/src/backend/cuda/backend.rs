@@ -22,7 +22,7 @@ use half::bf16;
 use super::gpu::Gpu;
 use super::graphs::{GraphMode, Graphs};
 use super::staging::Staging;
-use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS};
+use crate::backend::{Backend, GraphPhase, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS};
 use crate::error::{Error, Result};
 use crate::parallel::Communicator;
 use crate::sampling::{RowDraw, RowResult};
@@ -207,7 +207,7 @@ impl CudaBackend {
     /// are fixed (a warm-up step at the same shape grows every buffer first).
     pub(super) fn may_allocate(&self, what: &str) -> Result<()> {
         match self.graph_mode()? {
-            GraphMode::Eager => Ok(()),
+            GraphMode::Eager | GraphMode::WarmUp => Ok(()),
             _ => Err(Error::Device(format!(
                 "{what} would allocate inside a CUDA graph (its warm-up step did not size it)"
             ))),
@@ -225,7 +225,9 @@ impl CudaBackend {
         let copy = mode != GraphMode::Replay;
         match st.push(self.stream(), values, copy)? {
             Some(ptr) => Ok(ptr),
-            None if mode == GraphMode::Eager => st.spill(self.stream(), values),
+            None if matches!(mode, GraphMode::Eager | GraphMode::WarmUp) => {
+                st.spill(self.stream(), values)
+            }
             None => Err(Error::Device(format!(
                 "a CUDA graph's inputs outgrew the staging arena ({} bytes)",
                 st.bump.capacity
@@ -311,6 +313,7 @@ impl CudaBackend {
     fn shape(&self, buf: &mut CudaBuffer, rows: usize, cols: usize) -> Result<()> {
         if rows * cols > buf.data.len() {
             self.may_allocate("a buffer")?;
+            self.forget_graphs()?;
             buf.data = self.zeros(rows * cols)?;
         }
         buf.rows = rows;
@@ -815,6 +818,7 @@ impl Backend for CudaBackend {
         ] {
             if slot.as_ref().is_none_or(|s| s.len() < len) {
                 self.may_allocate("the attention scratch")?;
+                self.forget_graphs()?;
                 *slot = Some(self.zeros(len)?);
             }
         }
@@ -1184,11 +1188,11 @@ impl Backend for CudaBackend {
     fn begin_graph(
         &self,
         bucket: usize,
-        capture: bool,
+        phase: GraphPhase,
         context_bound: usize,
         staging_bytes: usize,
     ) -> Result<()> {
-        self.graph_begin(bucket, capture, context_bound, staging_bytes)
+        self.graph_begin(bucket, phase, context_bound, staging_bytes)
     }
 
     fn end_graph(&self) -> Result<()> {

@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::{CudaGraph, sys};
 
 use super::backend::{CudaBackend, dev};
+use crate::backend::GraphPhase;
 use crate::error::{Error, Result};
 
 /// What the ops do now.
@@ -24,6 +25,8 @@ pub enum GraphMode {
     /// Launch as they go.
     #[default]
     Eager,
+    /// Launch as they go, shaped for a graph (attention split for its context bound).
+    WarmUp,
     /// Record into the graph of a bucket.
     Capture,
     /// Stage inputs only, for the graph of a bucket.
@@ -61,28 +64,31 @@ impl CudaBackend {
         Ok(self.graphs()?.context_bound)
     }
 
-    /// Starts recording (`capture`) or replaying the graph of `bucket`.
+    /// Starts a phase of the graph of `bucket` (`GraphPhase`).
     pub(super) fn graph_begin(
         &self,
         bucket: usize,
-        capture: bool,
+        phase: GraphPhase,
         context_bound: usize,
         staging_bytes: usize,
     ) -> Result<()> {
         if self.graph_mode()? != GraphMode::Eager {
             return Err(Error::Device("a CUDA graph began inside another".into()));
         }
-        if capture {
+        match phase {
+            GraphPhase::WarmUp => {}
             // The arena's addresses go into the graph: it must not move afterwards.
-            if !self.graphs()?.recorded.is_empty() {
-                self.check_staging_fits(staging_bytes)?;
-            } else {
-                self.reserve_staging(staging_bytes)?;
+            GraphPhase::Record if self.graphs()?.recorded.is_empty() => {
+                self.reserve_staging(staging_bytes)?
             }
-        } else if !self.graphs()?.recorded.contains_key(&bucket) {
-            return Err(Error::Device(format!(
-                "no CUDA graph was recorded for batch size {bucket}"
-            )));
+            GraphPhase::Record => self.check_staging_fits(staging_bytes)?,
+            GraphPhase::Replay => {
+                if !self.graphs()?.recorded.contains_key(&bucket) {
+                    return Err(Error::Device(format!(
+                        "no CUDA graph is recorded for batch size {bucket}"
+                    )));
+                }
+            }
         }
         // Outside the graph: a capture may not synchronize, and a replay's staging must start
         // at the offsets the recording used.
@@ -90,14 +96,29 @@ impl CudaBackend {
         let mut g = self.graphs()?;
         g.bucket = bucket;
         g.context_bound = context_bound;
-        if capture {
-            self.stream()
-                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(dev("begin graph capture"))?;
-            g.mode = GraphMode::Capture;
-        } else {
-            g.mode = GraphMode::Replay;
-            self.replaying.store(true, Ordering::Relaxed);
+        g.mode = match phase {
+            GraphPhase::WarmUp => GraphMode::WarmUp,
+            GraphPhase::Record => {
+                self.stream()
+                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(dev("begin graph capture"))?;
+                GraphMode::Capture
+            }
+            GraphPhase::Replay => {
+                self.replaying.store(true, Ordering::Relaxed);
+                GraphMode::Replay
+            }
+        };
+        Ok(())
+    }
+
+    /// A buffer a graph may point at was reallocated: every recorded graph is dropped (the
+    /// runner records again what it needs).
+    pub(super) fn forget_graphs(&self) -> Result<()> {
+        let mut g = self.graphs()?;
+        if !g.recorded.is_empty() {
+            tracing::debug!("a buffer grew: the recorded CUDA graphs are dropped");
+            g.recorded.clear();
         }
         Ok(())
     }
@@ -108,6 +129,7 @@ impl CudaBackend {
         let bucket = g.bucket;
         match std::mem::take(&mut g.mode) {
             GraphMode::Eager => Err(Error::Device("a CUDA graph ended that never began".into())),
+            GraphMode::WarmUp => Ok(()),
             GraphMode::Capture => {
                 let graph = self
                     .stream()
