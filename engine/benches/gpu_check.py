@@ -12,8 +12,9 @@
 2. Speed: a Llama-3-8B-shaped model (hidden 4096, 32 heads of 128, 8 KV heads, MLP 14336, vocab
    128256) with SPEED_LAYERS layers of random bf16 weights. kiln generate --device cuda: batch-1
    decode tok/s after a 512-token prompt and prefill tok/s at 512 and 4096 tokens; kiln serve driven
-   by kiln bench at C = 1, 8, 64 (512-token prompts, 128 new tokens, 2C + 4 requests) without speculation and with
-   n-gram. Beside decode, the roofline: bytes read per step (weights but the embedding table, plus
+   by kiln bench at C = 1, 8, 64 (512-token prompts, 128 new tokens, 2C + 4 requests): decode steps
+   from CUDA graphs (the default), the same with --disable-cuda-graph (every step eager), and
+   n-gram speculation. `kiln generate` runs one sequence eagerly (no runner, no graphs). Beside decode, the roofline: bytes read per step (weights but the embedding table, plus
    the KV read at that context) over the read bandwidth measured here (a torch sum over 4 GiB:
    bytes read only). Beside prefill, the bf16 GEMM rate measured here (torch, 8192^3). The peer row:
    transformers generate on the same weights, bf16, SDPA attention, static KV cache, as its docs
@@ -283,7 +284,8 @@ def speed(a, root, results):
         for k in range(200):
             f.write(json.dumps({"prompt": " ".join(f"t{3 + (k * 131 + i * 17) % 128000}" for i in range(512))}) + "\n")
     serving = []
-    for label, extra in (("none", []), ("ngram", ["--speculative-algorithm", "ngram"])):
+    for label, extra in (("none", []), ("none-eager", ["--disable-cuda-graph"]),
+                         ("ngram", ["--speculative-algorithm", "ngram"])):
         try:
             s = Server(a.kiln, d, a.device, extra=extra, log_path=a.out / f"serve-speed-{label}.log")
         except Exception as e:
