@@ -60,6 +60,7 @@ pub fn load_model_shard<B: Backend>(
         WeightStore::Hf(_) => Tokenizer::from_hf_dir(path)?,
         WeightStore::Gguf(g) => Tokenizer::from_gguf(g)?,
     });
+    check_special_tokens(&tokenizer, model.config.vocab_size, path)?;
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
@@ -70,6 +71,25 @@ pub fn load_model_shard<B: Backend>(
         tokenizer,
         name,
     })
+}
+
+/// BOS and every EOS id inside the model's vocabulary: an id past it would index the embedding
+/// table out of bounds, or never match and never end a request.
+fn check_special_tokens(t: &Tokenizer, vocab: usize, path: &Path) -> Result<()> {
+    let named = t
+        .bos_id
+        .map(|id| ("bos_token_id", id))
+        .into_iter()
+        .chain(t.eos_ids.iter().map(|&id| ("eos_token_id", id)));
+    for (field, id) in named {
+        if id as usize >= vocab {
+            return Err(Error::config(
+                path,
+                format!("{field} {id} is outside the vocabulary ({vocab} tokens)"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The weight store and model configuration of a `.gguf` file or a Hugging Face directory.

@@ -225,3 +225,28 @@ fn device_cuda_without_a_cuda_backend_fails_naming_it_and_never_falls_back_to_th
         assert!(stdout.trim().is_empty(), "{cmd}: {stdout}");
     }
 }
+
+#[test]
+fn a_corrupt_layer_count_is_refused_by_name_not_allocated() {
+    let path = temp("layers.gguf");
+    let mut meta = llama_meta("llama");
+    meta.retain(|(k, _)| *k != "llama.block_count");
+    meta.push(("llama.block_count", Meta::U32(u32::MAX)));
+    let data = vec![0u8; 32 * 8 * 4];
+    write_gguf(&path, &meta, &[("token_embd.weight", &[32, 8], 0, &data)]);
+    let (ok, _, stderr) = kiln(&[
+        "generate",
+        "--model",
+        path.to_str().expect("utf-8"),
+        "--prompt",
+        "hi",
+    ]);
+    let _ = std::fs::remove_file(&path);
+    assert_clean_failure(ok, &stderr, &["layers", "4294967295", "layers.gguf"]);
+}
+
+#[test]
+fn a_zero_max_model_len_is_refused() {
+    let (ok, _, stderr) = kiln(&["serve", "--max-model-len", "0", "--port", "1"]);
+    assert_clean_failure(ok, &stderr, &["--max-model-len must be at least 1"]);
+}

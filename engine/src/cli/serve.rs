@@ -361,7 +361,10 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         block_size,
         max_running: positive("max-running", a.max_running)?,
         max_step_tokens: positive("max-step-tokens", a.max_step_tokens)?,
-        max_model_len: a.max_model_len,
+        max_model_len: match a.max_model_len {
+            Some(0) => anyhow::bail!("--max-model-len must be at least 1"),
+            n => n,
+        },
         max_queue: positive("max-queue", a.max_queue)?,
         max_body_bytes: positive("max-body-bytes", a.max_body_bytes)?,
         max_n: positive("max-n", a.max_n)?,

@@ -416,6 +416,47 @@ impl ModelConfig {
         {
             return bad("hidden size, intermediate size, layers and vocab must be non-zero".into());
         }
+        // Far past any real model, and checked before anything is sized from them: a corrupt
+        // count must be a clear refusal, not a multi-terabyte allocation.
+        for (field, value, limit) in [
+            (
+                "layers (block_count / num_hidden_layers)",
+                self.n_layers,
+                1 << 10,
+            ),
+            ("hidden size", self.hidden_size, 1 << 17),
+            ("intermediate size", self.intermediate_size, 1 << 20),
+            ("attention heads", self.n_heads, 1 << 12),
+            ("head size", self.head_dim, 1 << 12),
+            ("vocabulary", self.vocab_size, 1 << 23),
+            ("context length", self.max_context, 1 << 25),
+        ] {
+            if value > limit {
+                return bad(format!(
+                    "{field} {value} is past any model kiln can serve (at most {limit})"
+                ));
+            }
+        }
+        for (field, value) in [
+            (
+                "rms_norm_eps (attention.layer_norm_rms_epsilon)",
+                self.rms_norm_eps,
+            ),
+            ("rope_theta (rope.freq_base)", self.rope_theta),
+            ("the rope scaling factor", self.rope_linear_factor),
+        ] {
+            if !value.is_finite() || value <= 0.0 {
+                return bad(format!(
+                    "{field} is {value}; it must be a finite number > 0"
+                ));
+            }
+        }
+        if self.rms_norm_eps >= 1.0 {
+            return bad(format!(
+                "rms_norm_eps (attention.layer_norm_rms_epsilon) is {}; it must be below 1",
+                self.rms_norm_eps
+            ));
+        }
         Ok(())
     }
 
