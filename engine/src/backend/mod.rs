@@ -141,6 +141,11 @@ pub trait Backend: Send + Sync {
         precision: Precision,
     ) -> Result<Self::KvStore>;
 
+    /// A model forward begins (before its first op): a device backend may reuse what it staged
+    /// for earlier forwards. Nested metadata (MLA's per-layer scratch) does not call it.
+    fn begin_forward(&self) -> Result<()> {
+        Ok(())
+    }
     /// A forward's metadata (see [`Backend::StepMeta`]), made once before its first layer.
     fn step_meta<'a>(
         &self,

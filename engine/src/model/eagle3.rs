@@ -431,6 +431,7 @@ impl<B: Backend> Eagle3Draft<B> {
             ));
         }
         let all: Vec<usize> = (0..n).collect();
+        backend.begin_forward()?;
         match input {
             DraftInput::Target(aux) => {
                 if aux.len() != self.fc.len() {

@@ -618,6 +618,7 @@ impl<B: Backend> Llama<B> {
             ));
         }
         let _span = tracing::trace_span!("forward", tokens = n).entered();
+        backend.begin_forward()?;
         backend.embed(&self.embed, batch.tokens, &mut ws.x)?;
         let q_width = n_heads * c.head_dim;
         let reduce = |ws: &mut Workspace<B>| -> Result<()> {

@@ -201,8 +201,12 @@ impl<B: Backend> Runner<B> {
             };
             return self.forward_in_place(&batch);
         }
-        if self.recorded.contains(&p.bucket) && self.graph_phase(p, GraphPhase::Replay).is_ok() {
-            return Ok(());
+        if self.recorded.contains(&p.bucket) {
+            match self.graph_phase(p, GraphPhase::Replay) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.backend_lost() => return Err(e),
+                Err(_) => {}
+            }
         }
         // Not recorded, or dropped when a buffer grew: record it again, then replay.
         self.recorded.remove(&p.bucket);

@@ -558,19 +558,24 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn begin_forward(&self) -> Result<()> {
+        // Inside a graph phase its begin did this (a capture must not synchronize).
+        match self.graph_mode()? {
+            GraphMode::Eager => self.restart_staging(),
+            _ => Ok(()),
+        }
+    }
+
     fn step_meta<'a>(
         &self,
         positions: &'a [usize],
         spans: &'a [SeqSpan<'a>],
     ) -> Result<CudaStepMeta<'a>> {
         let m = host_step_meta(positions, spans)?;
-        // A forward starts: the arena's earlier contents are done with (inside a graph the
-        // graph's begin did this, as a capture must not synchronize).
+        // Staged after whatever this forward staged before (MLA makes metadata per layer):
+        // the arena restarts only at a forward's beginning.
         let max_context = match self.graph_mode()? {
-            GraphMode::Eager => {
-                self.restart_staging()?;
-                m.max_context
-            }
+            GraphMode::Eager => m.max_context,
             _ => self.graph_context_bound()?.max(m.max_context),
         };
         Ok(CudaStepMeta {

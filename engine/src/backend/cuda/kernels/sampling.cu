@@ -32,7 +32,8 @@
 
 // Larger floats map to larger keys (NaN aside).
 __device__ __forceinline__ u32 order_key(float f) {
-    const u32 b = __float_as_uint(f);
+    // -0 and +0 compare equal on the host: one key for both.
+    const u32 b = __float_as_uint(f == 0.0f ? 0.0f : f);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
@@ -75,7 +76,7 @@ extern "C" __global__ void kiln_sample_prepare(
 }
 
 // For rows that want logprobs: log-sum-exp and the top-n (value descending, index ascending).
-extern "C" __global__ void kiln_sample_stats(
+extern "C" __global__ void __launch_bounds__(KILN_SAMPLE_THREADS) kiln_sample_stats(
     const float* __restrict__ rows, int vocab, const int* __restrict__ ri,
     float* __restrict__ lse, int* __restrict__ top_ids, float* __restrict__ top_lp) {
     const long r = blockIdx.x;
@@ -140,7 +141,7 @@ __device__ float kept_mass(const float* row, int vocab, u32 cut, float max_v, fl
 
 // The row's token (and, verifying a draft, whether it stood), and its logprob when asked.
 // `out` holds (token, accepted) per row.
-extern "C" __global__ void kiln_sample_draw(
+extern "C" __global__ void __launch_bounds__(KILN_SAMPLE_THREADS) kiln_sample_draw(
     const float* __restrict__ rows, int vocab, const int* __restrict__ ri,
     const float* __restrict__ rf, const int* __restrict__ pen_tok, const float* __restrict__ saved,
     const float* __restrict__ lse, int* __restrict__ out, float* __restrict__ out_lp) {
@@ -219,8 +220,12 @@ extern "C" __global__ void kiln_sample_draw(
             int last = -1;
             for (int i = begin; i < end; i++) {
                 if (i == skip || order_key(row[i]) < cut) continue;
-                mine += expf((row[i] - max_v) / temp);
-                last = i;
+                // A zero weight (masked, or underflowed) is never drawn, as on the host.
+                const float w = expf((row[i] - max_v) / temp);
+                if (w > 0.0f) {
+                    mine += w;
+                    last = i;
+                }
             }
             // The fallback when rounding leaves the target past the end: the last kept token.
             float lv = (float)last;
@@ -237,12 +242,18 @@ extern "C" __global__ void kiln_sample_draw(
             __syncthreads();
             const float start = chunk_mass[threadIdx.x];
             if (mine > 0.0f && target >= start && target < start + mine) {
+                // The target lies in this chunk; if rounding leaves the running sum short of
+                // it, the chunk's last drawable token takes it.
                 float run = start;
+                int pick = last;
                 for (int i = begin; i < end; i++) {
                     if (i == skip || order_key(row[i]) < cut) continue;
-                    run += expf((row[i] - max_v) / temp);
-                    if (target < run) { chosen = i; break; }
+                    const float w = expf((row[i] - max_v) / temp);
+                    if (w <= 0.0f) continue;
+                    run += w;
+                    if (target < run) { pick = i; break; }
                 }
+                chosen = pick;
             }
         }
     }
