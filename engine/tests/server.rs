@@ -340,6 +340,37 @@ fn cases() -> Vec<Case> {
             Some("temprature"),
         ),
         (
+            "trailing bytes after the JSON body",
+            "POST",
+            c,
+            a(),
+            [chat(json!({})), b" {\"max_tokens\": 9999}".to_vec()].concat(),
+            400,
+            None,
+        ),
+        (
+            "a 1 MB unknown field name (the error stays small)",
+            "POST",
+            c,
+            a(),
+            {
+                let mut v = json!({"messages": [{"role": "user", "content": "hi"}]});
+                v["x".repeat(1 << 20)] = json!(1);
+                j(v)
+            },
+            400,
+            None,
+        ),
+        (
+            "16 prompts x n 16 in one request",
+            "POST",
+            p,
+            a(),
+            j(json!({"prompt": vec!["hi"; 16], "n": 16, "max_tokens": 1})),
+            400,
+            Some("n"),
+        ),
+        (
             "prompt too long for the context",
             "POST",
             p,
@@ -496,6 +527,11 @@ fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         let h: Vec<&str> = headers.iter().map(String::as_str).collect();
         let (status, text) = s.request(method, path, &h, &body);
         assert_eq!(status, want, "{name}: {text}");
+        assert!(
+            text.len() < 4096,
+            "{name}: a {} byte error body",
+            text.len()
+        );
         let v: Value =
             serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}: {text}"));
         let err = &v["error"];
@@ -678,4 +714,26 @@ fn official_openai_client_and_prometheus_parser() {
     let v: Value = serde_json::from_slice(&curl.stdout).expect("curl JSON");
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["usage"]["completion_tokens"], 3);
+}
+
+#[test]
+fn a_request_that_can_never_fit_the_queue_is_a_400_not_a_retryable_429() {
+    let s = Server::start(&["--max-queue", "2", "--max-n", "4"]);
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": "hi", "n": 3, "max_tokens": 1}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "n", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("never fit")),
+        "{v}"
+    );
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": "hi", "n": 2, "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{v}");
 }

@@ -125,17 +125,35 @@ impl ApiError {
     }
 
     /// The JSON body alone (also sent as an SSE event when a stream fails midway).
+    /// The OpenAI error body. Messages and parameter names can quote what the client sent (an
+    /// unknown field's name, a parser's excerpt): both are clipped, so an error never grows
+    /// with the request.
     pub fn body_json(&self) -> String {
         let b = Body {
             error: Inner {
-                message: &self.message,
+                message: clip(&self.message, MAX_MESSAGE),
                 kind: self.kind,
-                param: self.param.as_deref(),
+                param: self.param.as_deref().map(|p| clip(p, MAX_PARAM)),
                 code: self.code,
             },
         };
         serde_json::to_string(&b).unwrap_or_else(|_| "{}".into())
     }
+}
+
+const MAX_MESSAGE: usize = 1024;
+const MAX_PARAM: usize = 128;
+
+/// `s` cut to at most `max` bytes on a character boundary.
+fn clip(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 impl IntoResponse for ApiError {
@@ -151,5 +169,32 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_quoting_a_huge_field_stay_small() {
+        let field = "é".repeat(500_000);
+        let e = ApiError::invalid(
+            field.clone(),
+            format!("unknown field `{field}`, expected one of `a`, `b`"),
+        );
+        let body = e.body_json();
+        assert!(
+            body.len() < 2 * (MAX_MESSAGE + MAX_PARAM),
+            "{} bytes",
+            body.len()
+        );
+        let v: serde_json::Value = serde_json::from_str(&body).expect("still JSON");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .expect("message")
+                .starts_with("unknown field")
+        );
     }
 }

@@ -47,6 +47,16 @@ pub fn submit(
     first_index: usize,
 ) -> Result<Vec<Choice>, ApiError> {
     let status = &ready.engine.status;
+    if n > ready.max_queue {
+        // Retrying cannot help: the request needs more room than the whole queue has.
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "{n} sequences can never fit the queue of {} (--max-queue)",
+                ready.max_queue
+            ),
+        ));
+    }
     if status.in_flight.load(Ordering::SeqCst) + n > ready.max_queue {
         return Err(ApiError::overloaded(1));
     }

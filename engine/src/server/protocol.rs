@@ -13,7 +13,7 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Api
         ));
     }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let value = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         let msg = inner.to_string();
@@ -31,7 +31,15 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Api
         } else {
             ApiError::invalid(param.clone(), format!("Invalid `{param}`: {msg}"))
         }
-    })
+    })?;
+    // One JSON value and nothing after it but whitespace: a body with trailing bytes is not
+    // the request the client thinks it sent.
+    de.end().map_err(|e| {
+        ApiError::bad_request(format!(
+            "The request body has data after its JSON value: {e}"
+        ))
+    })?;
+    Ok(value)
 }
 
 #[derive(Deserialize, Debug, Clone)]

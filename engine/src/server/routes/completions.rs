@@ -54,10 +54,18 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
     if prompts.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt list is empty"));
     }
-    if p.stream && prompts.len() * p.n > lim.max_n {
+    // Every prompt gets n sequences: the request as a whole stays within --max-n, streamed or
+    // not, so one request cannot fill the queue.
+    if prompts.len() * p.n > lim.max_n {
         return Err(ApiError::invalid(
             "n",
-            format!("at most {} streams per request", lim.max_n),
+            format!(
+                "{} prompts x n = {} is {} sequences; at most {} per request",
+                prompts.len(),
+                p.n,
+                prompts.len() * p.n,
+                lim.max_n
+            ),
         ));
     }
     let vocab = lim.vocab_size;
