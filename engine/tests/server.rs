@@ -670,10 +670,21 @@ fn sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_zero() {
         .args(["-TERM", &s.child.id().to_string()])
         .status();
     std::thread::sleep(Duration::from_millis(200));
-    // New connections are refused (listener closed) or answered 503.
-    if let Ok((st, _)) = s.try_request("GET", "/ready", &[], b"") {
-        assert_eq!(st, 503);
-    }
+    // The listener stays up while draining: /ready and new requests are answered 503, with
+    // Retry-After.
+    assert_eq!(s.request("GET", "/ready", &[], b"").0, 503);
+    let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect while draining");
+    let body = json!({"prompt": "hi", "max_tokens": 2}).to_string();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    t.write_all(req.as_bytes()).expect("send");
+    let mut raw = String::new();
+    std::io::Read::read_to_string(&mut t, &mut raw).expect("read");
+    assert!(raw.starts_with("HTTP/1.1 503"), "{raw}");
+    assert!(raw.to_ascii_lowercase().contains("retry-after: 5"), "{raw}");
+    assert!(raw.contains("shutting down"), "{raw}");
     let (status, body) = inflight.join().expect("in-flight client");
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).expect("json");
@@ -736,4 +747,47 @@ fn a_request_that_can_never_fit_the_queue_is_a_400_not_a_retryable_429() {
         &json!({"prompt": "hi", "n": 2, "max_tokens": 1}),
     );
     assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn sighup_is_ignored_and_the_shutdown_timeout_ends_a_stream_with_an_error_and_done() {
+    let mut s = Server::start(&["--shutdown-timeout", "1"]);
+    let _ = std::process::Command::new("kill")
+        .args(["-HUP", &s.child.id().to_string()])
+        .status();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        s.request("GET", "/ready", &[], b"").0,
+        200,
+        "SIGHUP killed or drained the server"
+    );
+    let port = s.port;
+    let stream = std::thread::spawn(move || {
+        let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 6000, "ignore_eos": true,
+                          "stream": true})
+        .to_string();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        t.write_all(req.as_bytes()).expect("send");
+        read_response(BufReader::new(t)).expect("response")
+    });
+    std::thread::sleep(Duration::from_millis(800));
+    let code = s.terminate();
+    let (status, body) = stream.join().expect("stream client");
+    assert_eq!(status, 200, "{body}");
+    let events: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert!(events.len() > 3, "the stream ran before the cut: {body}");
+    assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
+    let error = events[events.len() - 2];
+    assert!(
+        error.contains("shutting down"),
+        "no error event before [DONE]: {error}"
+    );
+    assert!(code.success(), "exit status {code}");
 }

@@ -113,12 +113,16 @@ impl ApiError {
             )
         }
     }
+    /// 503 while draining: another instance (or this one, restarted) will take the request.
     pub fn shutting_down() -> Self {
-        Self::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "The server is shutting down",
-        )
+        ApiError {
+            retry_after: Some(5),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "The server is shutting down",
+            )
+        }
     }
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)

@@ -90,6 +90,7 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         ready: Default::default(),
         draining: Default::default(),
+        cut: tokio::sync::watch::channel(false).0,
         canary_running: Default::default(),
         drift: Default::default(),
     });
@@ -102,6 +103,7 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
     );
     notifier.status("loading the model");
 
+    ignore_reload_signals();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(async {
@@ -140,20 +142,49 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
         }
         _ = shutdown_signal() => {}
     }
-    state.draining.store(true, Ordering::SeqCst);
-    notifier.stopping();
-    eprintln!(
-        "kiln: draining (up to {}s)",
-        opts.shutdown_timeout.as_secs()
-    );
+    drain(&state, &notifier).await;
+    // Nothing is in flight now: stop accepting, and give open connections a moment to close.
     let _ = stop_tx.send(());
-    match tokio::time::timeout(opts.shutdown_timeout, server).await {
+    match tokio::time::timeout(DRAIN_CLOSE, server).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => tracing::warn!("server: {e}"),
         Ok(Err(e)) => tracing::warn!("server task: {e}"),
-        Err(_) => eprintln!("kiln: shutdown timeout reached; closing remaining connections"),
+        Err(_) => eprintln!("kiln: closing the remaining connections"),
     }
     Ok(())
+}
+
+/// How long connections may take to close once nothing is in flight.
+const DRAIN_CLOSE: Duration = Duration::from_secs(2);
+
+/// Draining: the listener stays up and answers new generation requests (and /ready) with 503
+/// and `Retry-After` while the requests in flight finish, for up to `--shutdown-timeout`; what
+/// is still running then is cut (streams get an error event and `[DONE]`).
+async fn drain(state: &Shared, notifier: &Notifier) {
+    state.draining.store(true, Ordering::SeqCst);
+    notifier.stopping();
+    let timeout = state.opts.shutdown_timeout;
+    eprintln!("kiln: draining (up to {}s)", timeout.as_secs());
+    let deadline = tokio::time::Instant::now() + timeout;
+    let in_flight = || {
+        state
+            .ready
+            .get()
+            .map_or(0, |r| r.engine.status.in_flight.load(Ordering::SeqCst))
+    };
+    while in_flight() > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            eprintln!(
+                "kiln: shutdown timeout reached; cutting {} request(s)",
+                in_flight()
+            );
+            let _ = state.cut.send(true);
+            // The cut streams write their last events.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Loads the model into a runner, starts the engine thread, warms it up with one generation, and
@@ -279,6 +310,27 @@ async fn watchdog(state: Shared, notifier: Notifier, period: Duration) {
         };
         if healthy {
             notifier.watchdog();
+        }
+    }
+}
+
+/// SIGHUP and SIGUSR1 (sent by log rotation and some supervisors) are logged and ignored: kiln
+/// reads its configuration at start, and their default action would kill it without draining.
+fn ignore_reload_signals() {
+    use tokio::signal::unix::{SignalKind, signal};
+    for (kind, name) in [
+        (SignalKind::hangup(), "SIGHUP"),
+        (SignalKind::user_defined1(), "SIGUSR1"),
+    ] {
+        if let Ok(mut s) = signal(kind) {
+            tokio::spawn(async move {
+                while s.recv().await.is_some() {
+                    eprintln!(
+                        "kiln: {name} ignored (settings are read at start; restart the service \
+                         to change them)"
+                    );
+                }
+            });
         }
     }
 }

@@ -11,6 +11,7 @@ use futures::StreamExt;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
+use super::error::ApiError;
 use super::generation::{Choice, Delta};
 use crate::metrics::Metrics;
 
@@ -29,6 +30,8 @@ pub struct StreamSpec {
     pub prompt_tokens: usize,
     pub endpoint: &'static str,
     pub metrics: Arc<Metrics>,
+    /// The server, whose shutdown timeout may cut the stream.
+    pub state: super::state::Shared,
 }
 
 pub fn respond(choices: Vec<Choice>, spec: StreamSpec) -> Response {
@@ -57,7 +60,23 @@ async fn drive(choices: Vec<Choice>, spec: StreamSpec, tx: mpsc::Sender<Event>) 
         }))
     }));
     let mut completion = 0;
-    while let Some(d) = merged.next().await {
+    loop {
+        let d = tokio::select! {
+            d = merged.next() => match d {
+                Some(d) => d,
+                None => break,
+            },
+            _ = spec.state.cut_off() => {
+                // Cut by the shutdown timeout: an error event the client can read, then the
+                // end marker every client waits for.
+                spec.metrics.count_request(spec.endpoint, "503");
+                let _ = tx
+                    .send(Event::default().data(ApiError::shutting_down().body_json()))
+                    .await;
+                let _ = tx.send(Event::default().data("[DONE]")).await;
+                return;
+            }
+        };
         let event = match d {
             Ok(d) => {
                 completion += d.tokens.len();

@@ -98,6 +98,9 @@ pub struct AppState {
     pub ready: OnceLock<Arc<Ready>>,
     /// Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
     pub draining: AtomicBool,
+    /// Set when the shutdown timeout cuts what is still in flight: streams end with an error
+    /// event and `[DONE]`, waiting non-streaming requests get 503.
+    pub cut: tokio::sync::watch::Sender<bool>,
     /// While the lock's canary benchmark runs, /ready stays 503.
     pub canary_running: AtomicBool,
     /// Checks (start-up and canary) that are not passing, shown by /ready.
@@ -111,4 +114,12 @@ pub fn unix_now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+impl AppState {
+    /// Resolves once the shutdown timeout cut in-flight requests.
+    pub async fn cut_off(&self) {
+        let mut rx = self.cut.subscribe();
+        let _ = rx.wait_for(|&cut| cut).await;
+    }
 }

@@ -180,6 +180,7 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
                 prompt_tokens: prompt_tokens * p.n,
                 endpoint: ENDPOINT,
                 metrics: state.metrics.clone(),
+                state: state.clone(),
             },
         ));
     }
@@ -191,7 +192,10 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
             tokens,
             finish,
             ..
-        } = c.collect().await?;
+        } = tokio::select! {
+            d = c.collect() => d?,
+            _ = state.cut_off() => return Err(ApiError::shutting_down()),
+        };
         completion_tokens += tokens.len();
         let lp = want_logprobs.then(|| json!({"content": chat_logprobs(tok, &tokens)}));
         out.push(json!({

@@ -115,6 +115,7 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
                 prompt_tokens,
                 endpoint: ENDPOINT,
                 metrics: state.metrics.clone(),
+                state: state.clone(),
             },
         ));
     }
@@ -126,7 +127,10 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
             tokens,
             finish,
             ..
-        } = c.collect().await?;
+        } = tokio::select! {
+            d = c.collect() => d?,
+            _ = state.cut_off() => return Err(ApiError::shutting_down()),
+        };
         completion_tokens += tokens.len();
         let lp = want_logprobs.then(|| completion_logprobs(tok, &tokens, 0));
         out.push(json!({"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}));
