@@ -39,6 +39,12 @@ pub enum Error {
     /// The chosen device cannot run here (not built in, or its driver or libraries are missing).
     #[error("{0}")]
     Device(String),
+    /// The device failed a launch or a copy: CUDA errors are sticky, so nothing later can run.
+    #[error("{0}")]
+    DeviceLost(String),
+    /// A compute job panicked (a bug): the step's requests fail, the server goes on.
+    #[error("a compute job panicked: {0}")]
+    Panicked(String),
     /// The paged KV cache has no free block left.
     #[error("KV cache is full: {needed} blocks needed, {free} free")]
     KvCacheFull { needed: usize, free: usize },
@@ -50,7 +56,7 @@ impl Error {
     /// The backend's state is gone (a tensor-parallel rank died): no later step can succeed, so
     /// the process should exit for its service manager to restart it.
     pub fn backend_lost(&self) -> bool {
-        matches!(self, Error::Parallel(_))
+        matches!(self, Error::Parallel(_) | Error::DeviceLost(_))
     }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {

@@ -395,3 +395,86 @@ fn decode_steps_padded_to_graph_buckets_keep_every_token() {
         assert_eq!(got, want, "padding changed the tokens ({sampling:?})");
     }
 }
+
+/// A runner whose step panics once (as a bug in a kernel would), around a real one.
+struct PanicsOnce {
+    inner: Box<dyn ModelRunner>,
+    armed: bool,
+}
+
+impl ModelRunner for PanicsOnce {
+    fn info(&self) -> &std::sync::Arc<kiln::runner::ModelInfo> {
+        self.inner.info()
+    }
+    fn kv_layout(&self) -> (usize, usize) {
+        self.inner.kv_layout()
+    }
+    fn admit(&mut self, id: u64, params: SeqParams, prompt: &[u32]) {
+        self.inner.admit(id, params, prompt)
+    }
+    fn release(&mut self, id: u64) {
+        self.inner.release(id)
+    }
+    fn draft_slots(&self, room: usize) -> usize {
+        self.inner.draft_slots(room)
+    }
+    fn execute(&mut self, plan: &StepPlan<'_>) -> kiln::Result<StepOutput> {
+        if std::mem::take(&mut self.armed) {
+            panic!("a kernel bug");
+        }
+        self.inner.execute(plan)
+    }
+}
+
+/// A panic inside a step fails that step's request with an error naming it, and the engine
+/// thread goes on to serve the next request: never a hang.
+#[test]
+fn a_panicking_step_fails_its_request_and_the_engine_goes_on() {
+    use kiln::batching::{EngineConfig, EngineRequest, Event, RequestParams};
+    let runner = PanicsOnce {
+        inner: runner(SpecConfig::default()),
+        armed: true,
+    };
+    let metrics = std::sync::Arc::new(kiln::metrics::Metrics::new("m", "i"));
+    let engine = kiln::batching::spawn(
+        Box::new(runner),
+        EngineConfig {
+            max_running: 4,
+            max_step_tokens: 256,
+            max_model_len: 1024,
+            overlap: true,
+        },
+        metrics,
+    )
+    .expect("engine");
+    let run = |prompt: &[u32]| {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        assert!(engine.submit(EngineRequest {
+            prompt: prompt.to_vec(),
+            params: RequestParams {
+                max_tokens: 3,
+                sampling: SamplingParams::greedy(),
+                ignore_eos: true,
+                stop_token_ids: vec![],
+            },
+            events: tx,
+            arrival: std::time::Instant::now(),
+        }));
+        let t0 = std::time::Instant::now();
+        loop {
+            match rx.try_recv() {
+                Ok(Event::Finished { .. }) => return Ok(()),
+                Ok(Event::Failed(m)) => return Err(m),
+                Ok(Event::Token { .. }) => {}
+                Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {
+                    assert!(t0.elapsed().as_secs() < 60, "the request hangs");
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(e) => panic!("the engine dropped the request: {e}"),
+            }
+        }
+    };
+    let failed = run(&PROMPT).expect_err("the panicking step fails its request");
+    assert!(failed.contains("panicked") && failed.contains("a kernel bug"), "{failed}");
+    run(&PROMPT).expect("the next request is served");
+}

@@ -213,7 +213,18 @@ impl Engine {
         let rooms = self.reserve_draft_room(&schedule.work);
         let result = {
             let plan = plan(&self.sched, &self.live, &self.cfg, &schedule.work, &rooms);
-            self.runner.execute(&plan)
+            // A panic inside the step (a bug in a kernel, say) fails this step's requests like
+            // any error instead of killing the engine thread and hanging every client.
+            let runner = &mut self.runner;
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner.execute(&plan)))
+                .unwrap_or_else(|payload| {
+                    let msg = payload
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "no message".into());
+                    Err(crate::Error::Panicked(msg))
+                })
         };
         match result {
             Ok(out) => {

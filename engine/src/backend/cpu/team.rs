@@ -14,6 +14,9 @@ struct Job {
     n_tasks: usize,
     next: AtomicUsize,
     done: AtomicUsize,
+    /// The first panic of a task, resumed on the dispatching thread once no worker holds the
+    /// job (a task that panics still counts as done, so nobody waits for it forever).
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
 
 #[derive(Clone, Copy)]
@@ -92,6 +95,7 @@ impl Team {
             n_tasks,
             next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
+            panic: Mutex::new(None),
         };
         let s = &*self.shared;
         let epoch = s.epoch.load(Ordering::Relaxed) + 1;
@@ -109,6 +113,11 @@ impl Team {
         *s.slot.lock().unwrap_or_else(|e| e.into_inner()) = None;
         while s.active.load(Ordering::Acquire) > 0 {
             std::hint::spin_loop();
+        }
+        // Only now, with no worker left holding the job, may the caller unwind.
+        let panicked = job.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(payload) = panicked {
+            std::panic::resume_unwind(payload);
         }
     }
 }
@@ -164,7 +173,11 @@ fn work_on(job: &Job) {
             return;
         }
         // SAFETY: the closure outlives the job (see `Team::run`).
-        unsafe { (*job.f)(i) };
+        let f = unsafe { &*job.f };
+        if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i))) {
+            let mut first = job.panic.lock().unwrap_or_else(|e| e.into_inner());
+            first.get_or_insert(payload);
+        }
         job.done.fetch_add(1, Ordering::Release);
     }
 }
@@ -262,6 +275,33 @@ mod tests {
                 "n = {n}"
             );
         }
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_without_a_hang_and_the_team_goes_on() {
+        let team = Team::new(3);
+        for bad in [0usize, 5, 99] {
+            let ran = AtomicUsize::new(0);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                team.run(100, &|i| {
+                    ran.fetch_add(1, Ordering::Relaxed);
+                    assert!(i != bad, "task {i} fails");
+                })
+            }));
+            let payload = r.expect_err("the task's panic reaches the caller");
+            let msg = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_default();
+            assert!(msg.contains(&format!("task {bad} fails")), "{msg}");
+            // The other tasks still ran: the job ended whole before the caller unwound.
+            assert_eq!(ran.load(Ordering::Relaxed), 100);
+        }
+        let sum = AtomicUsize::new(0);
+        team.run(100, &|i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 4950);
     }
 
     #[test]

@@ -38,8 +38,10 @@ const ATTN_PAD: usize = 2;
 const ATTN_MIN_SPLIT: usize = 256;
 const ATTN_MAX_SPLITS: usize = 32;
 
+/// A failed launch, copy, synchronization or allocation: the device is treated as lost (CUDA
+/// errors are sticky), and the server exits for its service manager to restart it.
 pub(super) fn dev<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> Error {
-    move |e| Error::Device(format!("CUDA {what}: {e:?}"))
+    move |e| Error::DeviceLost(format!("CUDA {what}: {e:?}"))
 }
 
 /// A weight matrix `[rows, cols]`, row-major bf16.
