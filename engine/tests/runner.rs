@@ -475,6 +475,9 @@ fn a_panicking_step_fails_its_request_and_the_engine_goes_on() {
         }
     };
     let failed = run(&PROMPT).expect_err("the panicking step fails its request");
-    assert!(failed.contains("panicked") && failed.contains("a kernel bug"), "{failed}");
+    assert!(
+        failed.contains("panicked") && failed.contains("a kernel bug"),
+        "{failed}"
+    );
     run(&PROMPT).expect("the next request is served");
 }

@@ -611,7 +611,7 @@ fn batched_greedy_equals_single_and_load_with_disconnects_frees_every_block() {
                     let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
                     t.set_read_timeout(Some(Duration::from_secs(300))).expect("timeout");
                     let req = format!(
-                        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+                        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
                         body.len()
                     );
                     t.write_all(req.as_bytes()).expect("send");
@@ -659,7 +659,7 @@ fn sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_zero() {
         let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
         let body = json!({"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": true, "temperature": 0}).to_string();
         let req = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         );
         t.write_all(req.as_bytes()).expect("send");
@@ -676,7 +676,7 @@ fn sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_zero() {
     let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect while draining");
     let body = json!({"prompt": "hi", "max_tokens": 2}).to_string();
     let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     t.write_all(req.as_bytes()).expect("send");
@@ -768,7 +768,7 @@ fn sighup_is_ignored_and_the_shutdown_timeout_ends_a_stream_with_an_error_and_do
                           "stream": true})
         .to_string();
         let req = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         );
         t.write_all(req.as_bytes()).expect("send");
@@ -790,4 +790,106 @@ fn sighup_is_ignored_and_the_shutdown_timeout_ends_a_stream_with_an_error_and_do
         "no error event before [DONE]: {error}"
     );
     assert!(code.success(), "exit status {code}");
+}
+
+/// A raw HTTP/1.1 exchange: `head` (request line and headers, without the blank line), then
+/// `body`; the whole answer as text, read until the server closes or 5 s pass.
+fn raw(port: u16, head: &str, body: &[u8]) -> String {
+    let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    t.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    t.write_all(format!("{head}\r\n\r\n").as_bytes())
+        .expect("send head");
+    if !body.is_empty() {
+        t.write_all(body).expect("send body");
+    }
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match std::io::Read::read(&mut t, &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&out).to_string()
+}
+
+#[test]
+fn web_pages_rebinding_hosts_and_huge_declared_bodies_are_refused_at_the_door() {
+    let s = Server::start(&["--allowed-origins", "https://app.example"]);
+    let body = json!({"prompt": "hi", "max_tokens": 1}).to_string();
+    let post = |extra: &str| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+             Content-Type: text/plain\r\nContent-Length: {}{extra}",
+            body.len()
+        )
+    };
+    // A cross-site page (the browser adds its Origin): refused.
+    let r = raw(
+        s.port,
+        &post("\r\nOrigin: https://evil.example"),
+        body.as_bytes(),
+    );
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    assert!(r.contains("--allowed-origins"), "{r}");
+    // A listed origin: served, with CORS headers; its preflight answered.
+    let r = raw(
+        s.port,
+        &post("\r\nOrigin: https://app.example"),
+        body.as_bytes(),
+    );
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(
+        r.to_ascii_lowercase()
+            .contains("access-control-allow-origin: https://app.example"),
+        "{r}"
+    );
+    let r = raw(
+        s.port,
+        "OPTIONS /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Origin: https://app.example\r\nAccess-Control-Request-Method: POST",
+        b"",
+    );
+    assert!(r.starts_with("HTTP/1.1 204"), "{r}");
+    assert!(
+        r.to_ascii_lowercase()
+            .contains("access-control-allow-headers"),
+        "{r}"
+    );
+    // DNS rebinding: a page's own host name pointed at 127.0.0.1.
+    let r = raw(
+        s.port,
+        &format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: evil.example:{}\r\nConnection: close\r\n\
+             Content-Length: {}",
+            s.port,
+            body.len()
+        ),
+        body.as_bytes(),
+    );
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    // A declared length past the limit is answered at once, before any body, and an
+    // `Expect: 100-continue` client is not invited to send it.
+    let r = raw(
+        s.port,
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Content-Length: 99999999999",
+        b"",
+    );
+    assert!(r.starts_with("HTTP/1.1 413"), "{r}");
+    let r = raw(
+        s.port,
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Expect: 100-continue\r\nContent-Length: 52428800",
+        b"",
+    );
+    assert!(r.starts_with("HTTP/1.1 413"), "{r}");
+    assert!(!r.contains("100 Continue"), "{r}");
+    // Plain clients (no Origin, a loopback Host) are served as before.
+    assert_eq!(
+        s.post_json("/v1/completions", &json!({"prompt": "hi", "max_tokens": 1}))
+            .0,
+        200
+    );
 }

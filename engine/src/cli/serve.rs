@@ -62,6 +62,11 @@ pub struct ServeArgs {
     /// TCP port [default: 8000].
     #[arg(long)]
     port: Option<u16>,
+    /// Web origins allowed to call the server from a browser (comma-separated, e.g.
+    /// `https://app.example`; `*` for any), answered with CORS headers. A request carrying any
+    /// other `Origin` is refused with 403 [default: none: curl and SDKs send no Origin].
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Option<Vec<String>>,
     /// Require `Authorization: Bearer KEY` on the API routes (also $KILN_API_KEY).
     #[arg(long, env = "KILN_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -353,6 +358,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
             .unwrap_or_else(|| format!("{host}:{port}")),
         host,
         port,
+        allowed_origins: a.allowed_origins.clone().unwrap_or_default(),
         api_key,
         precision: given("mode", a.mode)?,
         device,

@@ -74,6 +74,7 @@ fn why(key: &str) -> &'static str {
         "served-model-name" => "the model id clients send",
         "host" => "bind address",
         "port" => "TCP port",
+        "allowed-origins" => "web origins a browser may call from (CORS); others refused",
         "mode" => "fast: quantized weights and two-level 8-bit activations; exact: f32 throughout",
         "threads" => "compute threads",
         "kv-tokens" => "KV cache size in tokens, shared by all running sequences",

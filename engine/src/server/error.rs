@@ -61,6 +61,9 @@ impl ApiError {
         Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message)
             .with_code("invalid_api_key")
     }
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", message)
+    }
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::new(StatusCode::NOT_FOUND, "not_found_error", message)
     }

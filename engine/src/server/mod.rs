@@ -10,6 +10,7 @@ pub mod auth;
 pub mod drift;
 pub mod error;
 pub mod generation;
+pub mod guard;
 pub mod protocol;
 pub mod routes;
 pub mod sse;
@@ -64,6 +65,7 @@ pub fn router(state: Shared) -> Router {
         .fallback(|| async { ApiError::not_found("Unknown route").into_response() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed().into_response() })
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), guard::guard))
         .with_state(state)
 }
 

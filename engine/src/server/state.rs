@@ -19,6 +19,9 @@ pub struct ServeOptions {
     pub served_model_name: Option<String>,
     pub host: String,
     pub port: u16,
+    /// Web origins whose requests are served, with CORS headers (`--allowed-origins`); any
+    /// other request carrying an `Origin` is refused.
+    pub allowed_origins: Vec<String>,
     pub api_key: Option<String>,
     pub precision: Precision,
     /// Where the model runs (`--device`).

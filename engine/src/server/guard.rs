@@ -1,0 +1,156 @@
+//! What every request passes before a route sees it: a declared body over the limit is refused
+//! at once (413 before a byte of it is read, so `Expect: 100-continue` gets no `100 Continue`),
+//! and browsers cannot drive the server from a web page: a request carrying an `Origin` that
+//! `--allowed-origins` does not list is refused (browsers send `Origin` on every cross-site
+//! POST; curl and the SDKs send none), and on a loopback bind only loopback `Host` names are
+//! served (a DNS-rebinding page reaches 127.0.0.1 under its own host name). CORS headers are
+//! sent for listed origins only.
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::error::ApiError;
+use super::state::Shared;
+
+pub async fn guard(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    let opts = &state.opts;
+    if let Some(len) = declared_length(req.headers())
+        && len > opts.max_body_bytes as u64
+    {
+        return ApiError::payload_too_large(opts.max_body_bytes).into_response();
+    }
+    if is_loopback_bind(&opts.host) && !loopback_host(req.headers()) {
+        return ApiError::forbidden(
+            "This server is bound to loopback and answers loopback host names only \
+             (localhost, 127.0.0.1, [::1])",
+        )
+        .into_response();
+    }
+    let origin = req
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let Some(origin) = origin else {
+        return next.run(req).await;
+    };
+    if !opts
+        .allowed_origins
+        .iter()
+        .any(|o| o == &origin || o == "*")
+    {
+        return ApiError::forbidden(format!(
+            "Requests from web pages are refused unless --allowed-origins lists their origin \
+             (this one: {origin})"
+        ))
+        .into_response();
+    }
+    let preflight = req.method() == Method::OPTIONS;
+    let mut resp = if preflight {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        next.run(req).await
+    };
+    let h = resp.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&origin) {
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+    }
+    h.insert(header::VARY, HeaderValue::from_static("Origin"));
+    if preflight {
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            HeaderValue::from_static("authorization, content-type"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            HeaderValue::from_static("600"),
+        );
+    }
+    resp
+}
+
+/// The body length a request declares.
+fn declared_length(h: &HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Whether `--host` binds loopback only.
+pub fn is_loopback_bind(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .trim_matches(|c| c == '[' || c == ']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The `Host` header names loopback (with or without a port); HTTP/1.1 requires one.
+fn loopback_host(h: &HeaderMap) -> bool {
+    let Some(host) = h.get(header::HOST).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        // [::1]:8000
+        Some(rest) => rest.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(v: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::HOST, HeaderValue::from_str(v).expect("header"));
+        h
+    }
+
+    #[test]
+    fn loopback_names_pass_and_others_do_not() {
+        for ok in [
+            "localhost",
+            "localhost:8000",
+            "127.0.0.1:8000",
+            "127.0.0.2",
+            "[::1]:80",
+            "LOCALHOST",
+        ] {
+            assert!(loopback_host(&host(ok)), "{ok}");
+        }
+        for bad in [
+            "evil.example",
+            "evil.example:8000",
+            "10.0.0.1:8000",
+            "localhost.evil.example",
+            "[::2]:80",
+        ] {
+            assert!(!loopback_host(&host(bad)), "{bad}");
+        }
+        assert!(!loopback_host(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn binds_are_told_apart() {
+        for lo in ["127.0.0.1", "localhost", "::1", "[::1]"] {
+            assert!(is_loopback_bind(lo), "{lo}");
+        }
+        for wide in ["0.0.0.0", "::", "10.1.2.3"] {
+            assert!(!is_loopback_bind(wide), "{wide}");
+        }
+    }
+}
