@@ -893,3 +893,47 @@ fn web_pages_rebinding_hosts_and_huge_declared_bodies_are_refused_at_the_door() 
         200
     );
 }
+
+#[test]
+fn silent_and_trickling_clients_are_let_go_and_health_is_still_answered() {
+    let s = Server::start(&[
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+        "--max-connections",
+        "4",
+    ]);
+    // More silent sockets than the server holds connections.
+    let silent: Vec<TcpStream> = (0..6)
+        .map(|_| TcpStream::connect(("127.0.0.1", s.port)).expect("connect"))
+        .collect();
+    let t0 = std::time::Instant::now();
+    let (status, _) = s.request("GET", "/health", &[], b"");
+    assert_eq!(status, 200);
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "/health waited {:?} behind silent sockets",
+        t0.elapsed()
+    );
+    for mut sock in silent {
+        sock.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut buf = [0u8; 64];
+        match std::io::Read::read(&mut sock, &mut buf) {
+            Ok(_) => {}
+            Err(e) => panic!("a silent socket was held open past the header timeout: {e}"),
+        }
+    }
+    // A body that trickles in slower than --body-timeout gets 408.
+    let mut t = TcpStream::connect(("127.0.0.1", s.port)).expect("connect");
+    t.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+          Content-Length: 100\r\n\r\n{\"prompt\": ",
+    )
+    .expect("send");
+    t.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let (status, body) = read_response(BufReader::new(t)).expect("response");
+    assert_eq!(status, 408, "{body}");
+}

@@ -118,6 +118,17 @@ pub struct ServeArgs {
     /// Largest request body in bytes [default: 4194304].
     #[arg(long)]
     max_body_bytes: Option<usize>,
+    /// Seconds a connection has to send a request's headers; silent sockets and keep-alive
+    /// connections idle that long are closed [default: 10].
+    #[arg(long)]
+    header_timeout: Option<u64>,
+    /// Seconds a request has to send its whole body [default: 60].
+    #[arg(long)]
+    body_timeout: Option<u64>,
+    /// Connections open at once, at most (kept under the file-descriptor limit); more wait in
+    /// the listen queue [default: 1024].
+    #[arg(long)]
+    max_connections: Option<usize>,
     /// Largest `n` (choices per request) [default: 16].
     #[arg(long)]
     max_n: Option<usize>,
@@ -190,6 +201,9 @@ max-running = 64
 max-step-tokens = 512
 max-queue = 256
 max-body-bytes = 4194304
+header-timeout = 10
+body-timeout = 60
+max-connections = 1024
 max-n = 16
 tensor-parallel-size = 1
 shutdown-timeout = 30
@@ -233,6 +247,13 @@ fn given<T>(name: &str, v: Option<T>) -> anyhow::Result<T> {
 fn positive(name: &str, v: Option<usize>) -> anyhow::Result<usize> {
     match given(name, v)? {
         0 => anyhow::bail!("--{name} must be at least 1"),
+        x => Ok(x),
+    }
+}
+
+fn positive_secs(name: &str, v: Option<u64>) -> anyhow::Result<u64> {
+    match given(name, v)? {
+        0 => anyhow::bail!("--{name} must be at least 1 second"),
         x => Ok(x),
     }
 }
@@ -373,6 +394,9 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         },
         max_queue: positive("max-queue", a.max_queue)?,
         max_body_bytes: positive("max-body-bytes", a.max_body_bytes)?,
+        header_timeout: Duration::from_secs(positive_secs("header-timeout", a.header_timeout)?),
+        body_timeout: Duration::from_secs(positive_secs("body-timeout", a.body_timeout)?),
+        max_connections: positive("max-connections", a.max_connections)?,
         max_n: positive("max-n", a.max_n)?,
         tensor_parallel: positive("tensor-parallel-size", a.tensor_parallel_size)?,
         shutdown_timeout: Duration::from_secs(given("shutdown-timeout", a.shutdown_timeout)?),

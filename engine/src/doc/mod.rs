@@ -87,6 +87,9 @@ fn why(key: &str) -> &'static str {
         "max-model-len" => "longest prompt + completion",
         "max-queue" => "requests in flight before new ones get 429",
         "max-body-bytes" => "largest request body",
+        "header-timeout" => "seconds a connection has to send its request headers",
+        "body-timeout" => "seconds a request has to send its body",
+        "max-connections" => "connections open at once, at most",
         "max-n" => "largest `n` per request",
         "tensor-parallel-size" => {
             "ranks the model's heads and MLP are split across (one all-reduce per sub-layer)"

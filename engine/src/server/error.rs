@@ -61,6 +61,13 @@ impl ApiError {
         Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message)
             .with_code("invalid_api_key")
     }
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            message,
+        )
+    }
     pub fn forbidden(message: impl Into<String>) -> Self {
         Self::new(StatusCode::FORBIDDEN, "permission_error", message)
     }

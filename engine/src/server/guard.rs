@@ -6,6 +6,11 @@
 //! served (a DNS-rebinding page reaches 127.0.0.1 under its own host name). CORS headers are
 //! sent for listed origins only.
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
@@ -21,6 +26,8 @@ pub async fn guard(State(state): State<Shared>, req: Request, next: Next) -> Res
     {
         return ApiError::payload_too_large(opts.max_body_bytes).into_response();
     }
+    // The body must arrive within --body-timeout (a trickling client holds nothing for long).
+    let req = req.map(|body| axum::body::Body::new(Deadline::new(body, opts.body_timeout)));
     if is_loopback_bind(&opts.host) && !loopback_host(req.headers()) {
         return ApiError::forbidden(
             "This server is bound to loopback and answers loopback host names only \
@@ -73,6 +80,68 @@ pub async fn guard(State(state): State<Shared>, req: Request, next: Next) -> Res
         );
     }
     resp
+}
+
+/// A body that fails with [`BodyTimedOut`] once its deadline passes.
+struct Deadline {
+    inner: axum::body::Body,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Deadline {
+    fn new(inner: axum::body::Body, limit: Duration) -> Deadline {
+        Deadline {
+            inner,
+            sleep: Box::pin(tokio::time::sleep(limit)),
+        }
+    }
+}
+
+/// The request body did not arrive within `--body-timeout`.
+#[derive(Debug)]
+pub struct BodyTimedOut;
+
+impl std::fmt::Display for BodyTimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request body did not arrive within --body-timeout")
+    }
+}
+
+impl std::error::Error for BodyTimedOut {}
+
+impl http_body::Body for Deadline {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.sleep.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Some(Err(Box::new(BodyTimedOut))));
+        }
+        Pin::new(&mut self.inner).poll_frame(cx).map_err(Into::into)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Whether `e` (or what caused it) is a body that timed out.
+pub fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<BodyTimedOut>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// The body length a request declares.

@@ -11,6 +11,7 @@ pub mod drift;
 pub mod error;
 pub mod generation;
 pub mod guard;
+pub mod listen;
 pub mod protocol;
 pub mod routes;
 pub mod sse;
@@ -107,12 +108,22 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
 
     ignore_reload_signals();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, router(state.clone()))
-        .with_graceful_shutdown(async {
-            let _ = stop_rx.await;
-        })
-        .into_future();
-    let server = tokio::spawn(server);
+    let limits = listen::ConnLimits {
+        header_timeout: opts.header_timeout,
+        max_connections: listen::connection_cap(opts.max_connections),
+    };
+    if limits.max_connections < opts.max_connections {
+        eprintln!(
+            "kiln: at most {} open connections (the file-descriptor limit; --max-connections {})",
+            limits.max_connections, opts.max_connections
+        );
+    }
+    let server = tokio::spawn(listen::serve(
+        listener,
+        router(state.clone()),
+        limits,
+        stop_rx,
+    ));
     if let Some(period) = opts.watchdog {
         tokio::spawn(watchdog(state.clone(), notifier.clone(), period));
     }
@@ -148,8 +159,7 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
     // Nothing is in flight now: stop accepting, and give open connections a moment to close.
     let _ = stop_tx.send(());
     match tokio::time::timeout(DRAIN_CLOSE, server).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => tracing::warn!("server: {e}"),
+        Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::warn!("server task: {e}"),
         Err(_) => eprintln!("kiln: closing the remaining connections"),
     }

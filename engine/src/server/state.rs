@@ -37,6 +37,13 @@ pub struct ServeOptions {
     /// Requests in flight (running + waiting) before new ones get 429.
     pub max_queue: usize,
     pub max_body_bytes: usize,
+    /// A connection's request headers must arrive within this (silent and idle keep-alive
+    /// connections are closed after it).
+    pub header_timeout: Duration,
+    /// A request's body must arrive within this.
+    pub body_timeout: Duration,
+    /// Connections open at once, at most (also kept under the file-descriptor limit).
+    pub max_connections: usize,
     pub max_n: usize,
     /// Ranks of tensor parallelism (1: the whole model on the engine thread).
     pub tensor_parallel: usize,

@@ -32,6 +32,8 @@ pub fn body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, 
     body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::payload_too_large(limit)
+        } else if super::guard::timed_out(&e) {
+            ApiError::request_timeout("The request body did not arrive within --body-timeout")
         } else {
             ApiError::bad_request(format!("Could not read the request body: {e}"))
         }
