@@ -937,3 +937,100 @@ fn silent_and_trickling_clients_are_let_go_and_health_is_still_answered() {
     let (status, body) = read_response(BufReader::new(t)).expect("response");
     assert_eq!(status, 408, "{body}");
 }
+
+/// Resident and peak resident memory of a process, in MiB (Linux).
+fn rss_mib(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let field = |name: &str| -> f64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .map_or(f64::NAN, |kib| kib / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Sixteen concurrent 4 MB chat bodies (each far past the context): all refused with 400, the
+/// work done off the async workers and a few at a time, so memory stays bounded and /health
+/// keeps answering; its latency during the attack is printed (measured, not asserted).
+#[test]
+fn a_burst_of_huge_prompts_is_refused_without_exhausting_memory() {
+    let s = Server::start(&["--max-body-bytes", "4194304"]);
+    let pid = s.child.id();
+    // Reset the peak to now, so it measures the burst and not the model's loading.
+    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+    let (before, _) = rss_mib(pid);
+    let content = "lorem ipsum ".repeat(4_000_000 / 12);
+    let body =
+        json!({"messages": [{"role": "user", "content": content}], "max_tokens": 4}).to_string();
+    let port = s.port;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let probe = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut worst = Duration::ZERO;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let t0 = std::time::Instant::now();
+                let r = raw(
+                    port,
+                    "GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close",
+                    b"",
+                );
+                worst = worst.max(t0.elapsed());
+                assert!(
+                    r.starts_with("HTTP/1.1 200"),
+                    "/health failed during the burst: {r}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            worst
+        })
+    };
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+                let head = format!(
+                    "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+                     Content-Length: {}\r\n\r\n",
+                    body.len()
+                );
+                t.write_all(head.as_bytes()).expect("head");
+                t.write_all(body.as_bytes()).expect("body");
+                read_response(BufReader::new(t)).expect("response")
+            })
+        })
+        .collect();
+    for c in clients {
+        let (status, text) = c.join().expect("client");
+        assert_eq!(status, 400, "{}", &text[..text.len().min(300)]);
+        assert!(
+            text.contains("context_length_exceeded"),
+            "{}",
+            &text[..text.len().min(300)]
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let worst = probe.join().expect("probe");
+    let (_, peak) = rss_mib(pid);
+    eprintln!(
+        "burst of 16 x 4 MB chat bodies: /health worst {:.0} ms; resident {before:.0} MiB before, \
+         peak {peak:.0} MiB",
+        worst.as_secs_f64() * 1e3
+    );
+    // The bodies themselves are 64 MB; before the work moved off the async workers and gained
+    // its early length check, the peak grew by over 1 GB.
+    assert!(
+        peak - before < 320.0,
+        "peak memory grew {:.0} MiB under the burst",
+        peak - before
+    );
+    assert_eq!(
+        s.post_json("/v1/completions", &json!({"prompt": "hi", "max_tokens": 1}))
+            .0,
+        200
+    );
+}

@@ -94,6 +94,9 @@ pub async fn run(opts: ServeOptions) -> anyhow::Result<()> {
         ready: Default::default(),
         draining: Default::default(),
         cut: tokio::sync::watch::channel(false).0,
+        prep: tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
+        ),
         canary_running: Default::default(),
         drift: Default::default(),
     });

@@ -111,6 +111,8 @@ pub struct AppState {
     /// Set when the shutdown timeout cuts what is still in flight: streams end with an error
     /// event and `[DONE]`, waiting non-streaming requests get 503.
     pub cut: tokio::sync::watch::Sender<bool>,
+    /// Requests being prepared (parsed, templated, tokenized) at once, at most.
+    pub prep: tokio::sync::Semaphore,
     /// While the lock's canary benchmark runs, /ready stays 503.
     pub canary_running: AtomicBool,
     /// Checks (start-up and canary) that are not passing, shown by /ready.

@@ -187,3 +187,19 @@ pub fn top_logprobs(param: &str, v: Option<i64>) -> Result<Option<usize>, ApiErr
         )),
     }
 }
+
+/// 400 `context_length_exceeded` for a text whose token count is known to be at least
+/// `at_least` (before tokenizing it) and reaches the context.
+pub fn check_text_fits(param: &str, at_least: usize, limits: &Limits) -> Result<(), ApiError> {
+    if at_least < limits.max_model_len {
+        return Ok(());
+    }
+    Err(ApiError::invalid(
+        param,
+        format!(
+            "This model's maximum context length is {} tokens; the prompt has at least {at_least}.",
+            limits.max_model_len
+        ),
+    )
+    .with_code("context_length_exceeded"))
+}

@@ -22,6 +22,18 @@ pub struct Tokenizer {
     /// `tokenizer.json` does this in its post-processor).
     add_bos: bool,
     pub chat_template: Option<ChatTemplate>,
+    /// The longest vocabulary entry in characters: no token covers more of a text.
+    max_token_chars: usize,
+}
+
+/// Characters of the longest entry of `t`'s vocabulary (at least 1).
+fn longest_token(t: &tokenizers::Tokenizer) -> usize {
+    t.get_vocab(true)
+        .keys()
+        .map(|k| k.chars().count())
+        .max()
+        .unwrap_or(1)
+        .max(1)
 }
 
 impl Tokenizer {
@@ -42,6 +54,7 @@ impl Tokenizer {
             None => None,
         };
         Ok(Tokenizer {
+            max_token_chars: longest_token(&built.tokenizer),
             inner: built.tokenizer,
             bos_id: built.bos_id,
             eos_ids: built.eos_ids,
@@ -90,12 +103,20 @@ impl Tokenizer {
             None => None,
         };
         Ok(Tokenizer {
+            max_token_chars: longest_token(&inner),
             inner,
             bos_id,
             eos_ids,
             add_bos: false,
             chat_template: template,
         })
+    }
+
+    /// A lower bound on `text`'s token count, without tokenizing: no token covers more than the
+    /// longest vocabulary entry (halved again for normalizers that merge characters), so a text
+    /// far past the context is refused before the tokenizer expands it.
+    pub fn min_tokens(&self, text: &str) -> usize {
+        text.chars().count() / (2 * self.max_token_chars)
     }
 
     /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their ids;

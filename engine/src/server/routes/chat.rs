@@ -7,13 +7,13 @@ use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::{body, chat_logprobs, check_model, limits, ready, request_id, usage};
+use super::{body, chat_logprobs, check_model, limits, prepare, ready, request_id, usage};
 use crate::server::error::ApiError;
 use crate::server::generation::{Delta, submit};
 use crate::server::protocol::{ChatRequest, Content, Message, parse_body};
 use crate::server::sse::{self, StreamSpec};
 use crate::server::state::{Ready, Shared, unix_now};
-use crate::server::validate::{fit_prompt, plan, top_logprobs};
+use crate::server::validate::{check_text_fits, fit_prompt, plan, top_logprobs};
 use crate::tokenizer::ChatMessage;
 
 const ENDPOINT: &str = "/v1/chat/completions";
@@ -97,6 +97,7 @@ pub fn chat_prompt(ready: &Ready, messages: &[Message]) -> Result<Vec<u32>, ApiE
     let text = template
         .render(&msgs, true)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    check_text_fits("messages", tok.min_tokens(&text), &super::limits(ready))?;
     // The template writes BOS itself where the model wants it.
     tok.encode(&text, false)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))
@@ -104,23 +105,30 @@ pub fn chat_prompt(ready: &Ready, messages: &[Message]) -> Result<Vec<u32>, ApiE
 
 async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let bytes = body(raw, state.opts.max_body_bytes)?;
-    let req: ChatRequest = parse_body(&bytes)?;
-    let ready = ready(state)?;
-    check_model(&ready, req.model.as_deref())?;
+    let shared = state.clone();
+    // JSON, the chat template and tokenization: off the async workers.
+    let (ready, tops, p, ids) = prepare(state, move || {
+        let req: ChatRequest = parse_body(&bytes)?;
+        let ready = ready(&shared)?;
+        check_model(&ready, req.model.as_deref())?;
+        let lim = limits(&ready);
+        let tops = if req.logprobs {
+            Some(top_logprobs("top_logprobs", req.top_logprobs)?.unwrap_or(0))
+        } else if req.top_logprobs.is_some() {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs: true`",
+            ));
+        } else {
+            None
+        };
+        let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+        let p = plan(&req.knobs(), max_tokens, tops, &lim)?;
+        let ids = chat_prompt(&ready, &req.messages)?;
+        Ok((ready, tops, p, ids))
+    })
+    .await?;
     let lim = limits(&ready);
-    let tops = if req.logprobs {
-        Some(top_logprobs("top_logprobs", req.top_logprobs)?.unwrap_or(0))
-    } else if req.top_logprobs.is_some() {
-        return Err(ApiError::invalid(
-            "top_logprobs",
-            "`top_logprobs` needs `logprobs: true`",
-        ));
-    } else {
-        None
-    };
-    let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-    let p = plan(&req.knobs(), max_tokens, tops, &lim)?;
-    let ids = chat_prompt(&ready, &req.messages)?;
     let params = fit_prompt(&p, "messages", ids.len(), None, &lim)?;
     let choices = submit(&ready, &ids, &params, &p.stops, p.n, 0)?;
     let prompt_tokens = ids.len();

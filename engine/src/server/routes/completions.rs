@@ -7,13 +7,13 @@ use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::{body, check_model, completion_logprobs, limits, ready, request_id, usage};
+use super::{body, check_model, completion_logprobs, limits, prepare, ready, request_id, usage};
 use crate::server::error::ApiError;
 use crate::server::generation::{Choice, Delta, submit};
 use crate::server::protocol::{CompletionRequest, Prompt, parse_body};
 use crate::server::sse::{self, StreamSpec};
 use crate::server::state::{Shared, unix_now};
-use crate::server::validate::{fit_prompt, plan, top_logprobs};
+use crate::server::validate::{check_text_fits, fit_prompt, plan, top_logprobs};
 
 const ENDPOINT: &str = "/v1/completions";
 /// OpenAI's default for the legacy completions endpoint.
@@ -31,26 +31,35 @@ pub async fn handle(State(state): State<Shared>, raw: Result<Bytes, BytesRejecti
 
 async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let bytes = body(raw, state.opts.max_body_bytes)?;
-    let req: CompletionRequest = parse_body(&bytes)?;
-    let ready = ready(state)?;
-    check_model(&ready, req.model.as_deref())?;
-    if req.echo {
-        return Err(ApiError::invalid("echo", "`echo` is not supported"));
-    }
+    let shared = state.clone();
+    // JSON and tokenization: off the async workers.
+    let (ready, tops, p, prompts) = prepare(state, move || {
+        let req: CompletionRequest = parse_body(&bytes)?;
+        let ready = ready(&shared)?;
+        check_model(&ready, req.model.as_deref())?;
+        if req.echo {
+            return Err(ApiError::invalid("echo", "`echo` is not supported"));
+        }
+        let lim = limits(&ready);
+        let tops = top_logprobs("logprobs", req.logprobs)?;
+        let p = plan(&req.knobs(), req.max_tokens, tops, &lim)?;
+        let tok = &ready.model.tokenizer;
+        let encode = |s: &str| {
+            check_text_fits("prompt", tok.min_tokens(s), &lim)?;
+            tok.encode(s, true)
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))
+        };
+        let prompts: Vec<Vec<u32>> = match &req.prompt {
+            Prompt::Text(s) => vec![encode(s)?],
+            Prompt::Texts(v) => v.iter().map(|s| encode(s)).collect::<Result<_, _>>()?,
+            Prompt::Ids(ids) => vec![ids.clone()],
+            Prompt::IdLists(v) => v.clone(),
+        };
+        Ok((ready, tops, p, prompts))
+    })
+    .await?;
     let lim = limits(&ready);
-    let tops = top_logprobs("logprobs", req.logprobs)?;
-    let p = plan(&req.knobs(), req.max_tokens, tops, &lim)?;
     let tok = &ready.model.tokenizer;
-    let encode = |s: &str| {
-        tok.encode(s, true)
-            .map_err(|e| ApiError::invalid("prompt", e.to_string()))
-    };
-    let prompts: Vec<Vec<u32>> = match &req.prompt {
-        Prompt::Text(s) => vec![encode(s)?],
-        Prompt::Texts(v) => v.iter().map(|s| encode(s)).collect::<Result<_, _>>()?,
-        Prompt::Ids(ids) => vec![ids.clone()],
-        Prompt::IdLists(v) => v.clone(),
-    };
     if prompts.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt list is empty"));
     }

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use super::chat::chat_prompt;
-use super::{body, check_model, ready};
+use super::{body, check_model, prepare, ready};
 use crate::server::error::ApiError;
 use crate::server::protocol::{DetokenizeRequest, TokenizeRequest, parse_body};
 use crate::server::state::Shared;
@@ -56,29 +56,35 @@ pub async fn model_info(State(state): State<Shared>) -> Response {
 }
 
 pub async fn tokenize(State(state): State<Shared>, raw: Result<Bytes, BytesRejection>) -> Response {
-    answer((|| {
-        let bytes = body(raw, state.opts.max_body_bytes)?;
-        let req: TokenizeRequest = parse_body(&bytes)?;
-        let r = ready(&state)?;
-        check_model(&r, req.model.as_deref())?;
-        let ids = match (&req.prompt, &req.messages) {
-            (Some(p), None) => r
-                .model
-                .tokenizer
-                .encode(p, req.add_special_tokens)
-                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
-            (None, Some(m)) => chat_prompt(&r, m)?,
-            _ => {
-                return Err(ApiError::bad_request(
-                    "send exactly one of `prompt` and `messages`",
-                ));
-            }
-        };
-        Ok(Json(json!({
-            "tokens": ids, "count": ids.len(), "max_model_len": r.max_model_len,
-        }))
-        .into_response())
-    })())
+    let bytes = match body(raw, state.opts.max_body_bytes) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let shared = state.clone();
+    answer(prepare(&state, move || tokenize_body(&shared, &bytes)).await)
+}
+
+fn tokenize_body(state: &Shared, bytes: &[u8]) -> Result<Response, ApiError> {
+    let req: TokenizeRequest = parse_body(bytes)?;
+    let r = ready(state)?;
+    check_model(&r, req.model.as_deref())?;
+    let ids = match (&req.prompt, &req.messages) {
+        (Some(p), None) => r
+            .model
+            .tokenizer
+            .encode(p, req.add_special_tokens)
+            .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        (None, Some(m)) => chat_prompt(&r, m)?,
+        _ => {
+            return Err(ApiError::bad_request(
+                "send exactly one of `prompt` and `messages`",
+            ));
+        }
+    };
+    Ok(Json(json!({
+        "tokens": ids, "count": ids.len(), "max_model_len": r.max_model_len,
+    }))
+    .into_response())
 }
 
 pub async fn detokenize(

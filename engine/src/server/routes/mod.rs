@@ -27,6 +27,23 @@ pub fn ready(state: &AppState) -> Result<Arc<Ready>, ApiError> {
     state.ready.get().cloned().ok_or_else(ApiError::not_ready)
 }
 
+/// Runs a request's preparation (JSON, chat template, tokenization) on the blocking pool, a few
+/// at a time: a burst of large bodies neither stalls the async workers (`/health`, live
+/// streams) nor holds more than a few expanded copies in memory at once.
+pub async fn prepare<T: Send + 'static>(
+    state: &AppState,
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let _permit = state
+        .prep
+        .acquire()
+        .await
+        .map_err(|_| ApiError::shutting_down())?;
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
+}
+
 /// The body bytes, or 413 past the size limit.
 pub fn body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
     body.map_err(|e| {
