@@ -598,14 +598,14 @@ fn batched_greedy_equals_single_and_load_with_disconnects_frees_every_block() {
     assert_eq!(alone, together, "batched greedy output differs from single");
     assert!(s.metric("kiln_batch_size_sum") > 0.0);
 
-    // 64 streaming clients; every third hangs up after a few events.
+    // 256 streaming clients (the whole default queue); every third hangs up after a few events.
     let port = s.port;
     let results: Vec<Option<usize>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..64)
+        let hs: Vec<_> = (0..256)
             .map(|i| {
                 sc.spawn(move || {
                     let body = json!({"messages": [{"role": "user", "content": format!("Count to {i}")}],
-                        "max_tokens": 12 + i % 20, "stream": true, "temperature": 0.7, "seed": i,
+                        "max_tokens": 4 + i % 8, "stream": true, "temperature": 0.7, "seed": i,
                         "stream_options": {"include_usage": true}})
                     .to_string();
                     let mut t = TcpStream::connect(("127.0.0.1", port)).expect("connect");
@@ -1033,4 +1033,63 @@ fn a_burst_of_huge_prompts_is_refused_without_exhausting_memory() {
             .0,
         200
     );
+}
+
+/// Three hundred silent sockets against a server limited to 256 file descriptors: its
+/// connection cap stays under the limit, so the sockets wait in the listen queue rather than
+/// exhausting descriptors, each is closed within the header timeout once accepted, and
+/// `/health` is answered (its wait is printed).
+#[test]
+fn three_hundred_silent_sockets_under_256_descriptors_do_not_lock_the_server_out() {
+    let port = common::server::free_port();
+    let model = common::smollm2();
+    let cmd = format!(
+        "ulimit -n 256 && exec '{}' serve --port {port} --model '{}' --kv-tokens 8192 \
+         --threads 1 --header-timeout 2",
+        env!("CARGO_BIN_EXE_kiln"),
+        model.display()
+    );
+    let child = std::process::Command::new("sh")
+        .args(["-c", &cmd])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let s = Server { child, port };
+    let t0 = std::time::Instant::now();
+    while s.try_request("GET", "/ready", &[], b"").map(|r| r.0).ok() != Some(200) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "server not ready");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let silent: Vec<TcpStream> = (0..300)
+        .filter_map(|_| TcpStream::connect(("127.0.0.1", port)).ok())
+        .collect();
+    assert!(
+        silent.len() >= 250,
+        "only {} sockets connected",
+        silent.len()
+    );
+    let t0 = std::time::Instant::now();
+    let (status, _) = s.request("GET", "/health", &[], b"");
+    let waited = t0.elapsed();
+    assert_eq!(status, 200);
+    eprintln!(
+        "{} silent sockets, 256 descriptors: /health answered after {:.1} s",
+        silent.len(),
+        waited.as_secs_f64()
+    );
+    assert!(
+        waited < Duration::from_secs(30),
+        "/health waited {waited:?}"
+    );
+    // Every silent socket is let go (read returns: closed by the server).
+    for mut sock in silent {
+        sock.set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        let mut buf = [0u8; 16];
+        assert!(
+            std::io::Read::read(&mut sock, &mut buf).is_ok(),
+            "a silent socket was never closed"
+        );
+    }
+    assert_eq!(s.request("GET", "/health", &[], b"").0, 200);
 }
