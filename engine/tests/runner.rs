@@ -21,6 +21,10 @@ fn runner(spec: SpecConfig) -> Box<dyn ModelRunner> {
 }
 
 fn runner_at(spec: SpecConfig, sampling: SamplingSite) -> Box<dyn ModelRunner> {
+    runner_with(spec, sampling, GraphUse::Off)
+}
+
+fn runner_with(spec: SpecConfig, sampling: SamplingSite, graphs: GraphUse) -> Box<dyn ModelRunner> {
     let load = LoadSpec {
         device: Device::Cpu,
         model: common::smollm2(),
@@ -36,7 +40,7 @@ fn runner_at(spec: SpecConfig, sampling: SamplingSite) -> Box<dyn ModelRunner> {
             max_step_tokens: 256,
             spec,
             sampling,
-            graphs: GraphUse::Off,
+            graphs,
         },
     };
     kiln::runner::load(&load, &mut |_| {}).expect("load").0
@@ -357,27 +361,7 @@ fn batch_run(
 /// with every row drawn by the backend's op.
 #[test]
 fn decode_steps_padded_to_graph_buckets_keep_every_token() {
-    let load = |graphs, sampling| {
-        let load = LoadSpec {
-            device: Device::Cpu,
-            model: common::smollm2(),
-            precision: Precision::Exact,
-            threads: Some(2),
-            tensor_parallel: 1,
-            collective_timeout: std::time::Duration::from_secs(60),
-            draft_model: None,
-            mem_fraction: None,
-            runner: RunnerConfig {
-                kv_tokens: 1024,
-                block_size: BLOCK,
-                max_step_tokens: 256,
-                spec: SpecConfig::default(),
-                sampling,
-                graphs,
-            },
-        };
-        kiln::runner::load(&load, &mut |_| {}).expect("load").0
-    };
+    let load = |graphs, sampling| runner_with(SpecConfig::default(), sampling, graphs);
     let mut plain = load(GraphUse::Off, SamplingSite::Auto);
     let tok = plain.info().tokenizer.clone();
     let prompts: Vec<Vec<u32>> = ["The capital of France is", "def fib(n):", "1, 2, 3,"]

@@ -666,6 +666,12 @@ fn sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_zero() {
         read_response(BufReader::new(t)).expect("response")
     });
     std::thread::sleep(Duration::from_millis(600));
+    // The request is in the engine when the signal arrives (150 tokens take seconds here).
+    assert_eq!(
+        s.metric("kiln_running_requests"),
+        1.0,
+        "no request was in flight at the signal"
+    );
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &s.child.id().to_string()])
         .status();

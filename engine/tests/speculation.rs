@@ -133,6 +133,16 @@ fn ngram_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     assert_eq!(got, want, "adaptive policy at C=16");
     let got = concurrently(&adaptive, &p[..4], 1);
     assert_eq!(got[..], want[..4], "adaptive policy at C=1");
+    assert_drafted(&adaptive, "the adaptive n-gram policy");
+}
+
+/// The exactness checks above prove something only if the policy drafted.
+fn assert_drafted(s: &Server, what: &str) {
+    let drafted = s.metric("kiln_spec_draft_tokens_total");
+    assert!(
+        drafted > 0.0,
+        "{what} drafted nothing, so its exactness check verified no draft"
+    );
 }
 
 /// Exact mode (f32 weights) alone: verifying 2-5 tokens runs the four-rows-by-two-tokens f32
@@ -371,6 +381,9 @@ fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     ]);
     let got = concurrently(&adaptive, &p, 16);
     assert_eq!(got, want, "EAGLE-3, adaptive policy at C=16");
+    let got = concurrently(&adaptive, &p[..4], 1);
+    assert_eq!(got[..], want[..4], "EAGLE-3, adaptive policy at C=1");
+    assert_drafted(&adaptive, "the adaptive EAGLE-3 chain policy");
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -421,5 +434,8 @@ fn eagle3_tree_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     let adaptive = Server::start(&tree);
     let got = concurrently(&adaptive, &p, 16);
     assert_eq!(got, want, "EAGLE-3 tree, adaptive policy at C=16");
+    let got = concurrently(&adaptive, &p[..4], 1);
+    assert_eq!(got[..], want[..4], "EAGLE-3 tree, adaptive policy at C=1");
+    assert_drafted(&adaptive, "the adaptive EAGLE-3 tree policy");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -168,12 +168,7 @@ impl<B: Backend> Runner<B> {
             g.staging_bytes(g.buckets.last().copied().unwrap_or(p.bucket)),
         );
         let spans = p.spans();
-        let batch = ForwardBatch {
-            tokens: &p.tokens,
-            positions: &p.positions,
-            spans: &spans,
-            logit_rows: &p.logit_rows,
-        };
+        let batch = padded_batch(p, &spans);
         let backend = &self.model.backend;
         backend.begin_graph(p.bucket, phase, bound, bytes)?;
         let run = self
@@ -193,13 +188,7 @@ impl<B: Backend> Runner<B> {
         let record = self.graphs.as_ref().is_some_and(|g| g.record);
         if !record {
             let spans = p.spans();
-            let batch = ForwardBatch {
-                tokens: &p.tokens,
-                positions: &p.positions,
-                spans: &spans,
-                logit_rows: &p.logit_rows,
-            };
-            return self.forward_in_place(&batch);
+            return self.forward_in_place(&padded_batch(p, &spans));
         }
         if self.recorded.contains(&p.bucket) {
             match self.graph_phase(p, GraphPhase::Replay) {
@@ -366,6 +355,16 @@ impl<B: Backend> Runner<B> {
             fed.push(Fed { first, n, row });
         }
         (tokens, positions, rows, fed)
+    }
+}
+
+/// A padded step's forward batch (`spans` from [`Padded::spans`]).
+fn padded_batch<'a>(p: &'a Padded, spans: &'a [SeqSpan<'a>]) -> ForwardBatch<'a> {
+    ForwardBatch {
+        tokens: &p.tokens,
+        positions: &p.positions,
+        spans,
+        logit_rows: &p.logit_rows,
     }
 }
 

@@ -1,10 +1,10 @@
-//! What every request passes before a route sees it: a declared body over the limit is refused
-//! at once (413 before a byte of it is read, so `Expect: 100-continue` gets no `100 Continue`),
-//! and browsers cannot drive the server from a web page: a request carrying an `Origin` that
-//! `--allowed-origins` does not list is refused (browsers send `Origin` on every cross-site
-//! POST; curl and the SDKs send none), and on a loopback bind only loopback `Host` names are
-//! served (a DNS-rebinding page reaches 127.0.0.1 under its own host name). CORS headers are
-//! sent for listed origins only.
+//! What every request passes before a route sees it: a declared body far over the limit, or one
+//! a client asks leave to send (`Expect: 100-continue`), is refused before a byte of it is read
+//! (no `100 Continue`); and browsers cannot drive the server from a web page: a request carrying
+//! an `Origin` that `--allowed-origins` does not list is refused (browsers send `Origin` on every
+//! cross-site POST; curl and the SDKs send none), and on a loopback bind only loopback `Host`
+//! names are served (a DNS-rebinding page reaches 127.0.0.1 under its own host name). CORS
+//! headers are sent for listed origins only.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -21,10 +21,20 @@ use super::state::Shared;
 
 pub async fn guard(State(state): State<Shared>, req: Request, next: Next) -> Response {
     let opts = &state.opts;
-    if let Some(len) = declared_length(req.headers())
-        && len > opts.max_body_bytes as u64
-    {
-        return ApiError::payload_too_large(opts.max_body_bytes).into_response();
+    // A declared body over the limit is refused before a byte of it is read when the client
+    // waits for leave to send it (`Expect: 100-continue`) or the size is absurd (past 4x the
+    // limit). A body only somewhat over is read up to the limit first (the body limit's 413):
+    // answering before a client that is still writing has finished makes its kernel see a
+    // reset, and most clients then report a broken connection instead of the 413.
+    if let Some(len) = declared_length(req.headers()) {
+        let limit = opts.max_body_bytes as u64;
+        let expects = req
+            .headers()
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if len > limit && (expects || len > limit.saturating_mul(4)) {
+            return ApiError::payload_too_large(opts.max_body_bytes).into_response();
+        }
     }
     // The body must arrive within --body-timeout (a trickling client holds nothing for long).
     let req = req.map(|body| axum::body::Body::new(Deadline::new(body, opts.body_timeout)));
