@@ -431,11 +431,15 @@ fn eagle3_tree_speculation_keeps_greedy_output_exact_at_every_batch_size() {
         accepted > 0.0 && drafted > accepted,
         "drafted {drafted}, accepted {accepted}"
     );
+    // The adaptive policy: on this CPU it parks a tree draft (verifying 8 positions and
+    // expanding 3 nodes per draft step costs more than the accepted tokens return, even at one
+    // sequence), so this checks that the parked path serves exact output; the fixed run above is
+    // the one that verifies tree drafts. No drafted-count assertion here: it would depend on
+    // timings the policy measures on a shared machine.
     let adaptive = Server::start(&tree);
     let got = concurrently(&adaptive, &p, 16);
     assert_eq!(got, want, "EAGLE-3 tree, adaptive policy at C=16");
     let got = concurrently(&adaptive, &p[..4], 1);
     assert_eq!(got[..], want[..4], "EAGLE-3 tree, adaptive policy at C=1");
-    assert_drafted(&adaptive, "the adaptive EAGLE-3 tree policy");
     std::fs::remove_dir_all(&dir).ok();
 }
