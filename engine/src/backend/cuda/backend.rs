@@ -216,14 +216,17 @@ impl CudaBackend {
         }
     }
 
+    fn staging(&self) -> Result<std::sync::MutexGuard<'_, Staging>> {
+        self.staging
+            .lock()
+            .map_err(|_| Error::Device("the staging arena was poisoned".into()))
+    }
+
     /// Uploads a step's host array through the staging arena; returns its device address,
     /// valid until the next forward begins.
     pub(super) fn stage<T: Copy + DeviceRepr>(&self, values: &[T]) -> Result<u64> {
         let mode = self.graph_mode()?;
-        let mut st = self
-            .staging
-            .lock()
-            .map_err(|_| Error::Device("the staging arena was poisoned".into()))?;
+        let mut st = self.staging()?;
         let copy = mode != GraphMode::Replay;
         match st.push(self.stream(), values, copy)? {
             Some(ptr) => Ok(ptr),
@@ -240,10 +243,7 @@ impl CudaBackend {
     /// Makes the staging arena reusable: waits until the GPU has read what was staged since the
     /// last reset (at the start of a forward or a graph, never inside one).
     pub(super) fn restart_staging(&self) -> Result<()> {
-        let mut st = self
-            .staging
-            .lock()
-            .map_err(|_| Error::Device("the staging arena was poisoned".into()))?;
+        let mut st = self.staging()?;
         if st.bump.used > 0 {
             self.stream()
                 .synchronize()
@@ -255,10 +255,7 @@ impl CudaBackend {
 
     /// Refuses a graph whose staged inputs would not fit the arena recorded graphs point at.
     pub(super) fn check_staging_fits(&self, bytes: usize) -> Result<()> {
-        let st = self
-            .staging
-            .lock()
-            .map_err(|_| Error::Device("the staging arena was poisoned".into()))?;
+        let st = self.staging()?;
         if st.bump.capacity < bytes {
             return Err(Error::Device(format!(
                 "a CUDA graph needs {bytes} staging bytes, the arena has {} (record the largest \
@@ -271,10 +268,7 @@ impl CudaBackend {
 
     /// Grows the staging arena to at least `bytes` (before any graph captures its addresses).
     pub(super) fn reserve_staging(&self, bytes: usize) -> Result<()> {
-        let mut st = self
-            .staging
-            .lock()
-            .map_err(|_| Error::Device("the staging arena was poisoned".into()))?;
+        let mut st = self.staging()?;
         if st.bump.capacity < bytes {
             self.stream()
                 .synchronize()
