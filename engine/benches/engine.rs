@@ -62,6 +62,7 @@ fn batched_decode(m: &LoadedModel<CpuBackend>, batch: usize, context: usize, ste
             positions: &positions,
             spans: &spans,
             logit_rows: &logit_rows,
+            fill: None,
         };
         m.model
             .forward(&m.backend, &mut kv, &fb, &mut ws)

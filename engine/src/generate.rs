@@ -177,6 +177,7 @@ impl<B: Backend> SingleSequence<B> {
             positions: &positions,
             spans: &spans,
             logit_rows: &[tokens.len() - 1],
+            fill: None,
         };
         m.model
             .forward(&m.backend, &mut self.kv, &batch, &mut self.ws)

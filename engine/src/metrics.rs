@@ -71,6 +71,8 @@ pub struct Metrics {
     pub kv_blocks_used: Gauge,
     pub kv_blocks_total: Gauge,
     pub preemptions: Counter,
+    /// Steps launched before the previous step's tokens reached the host (overlap scheduling).
+    pub steps_launched_ahead: Counter,
     pub ttft: Histogram,
     pub inter_token: Histogram,
     pub e2e: Histogram,
@@ -112,6 +114,7 @@ impl Metrics {
             kv_blocks_used: Gauge::default(),
             kv_blocks_total: Gauge::default(),
             preemptions: Counter::default(),
+            steps_launched_ahead: Counter::default(),
             ttft: latency(),
             inter_token: latency(),
             e2e: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
@@ -162,6 +165,11 @@ impl Metrics {
             "preemptions",
             "Sequences that lost their KV cache and recompute",
             m.preemptions.clone(),
+        );
+        r.register(
+            "steps_launched_ahead",
+            "Model steps launched before the previous step's tokens reached the host",
+            m.steps_launched_ahead.clone(),
         );
         r.register(
             "time_to_first_token_seconds",

@@ -59,6 +59,7 @@ fn run(
             positions: &positions,
             spans: &spans,
             logit_rows: &logit_rows,
+            fill: None,
         };
         let logits = m
             .model
@@ -246,6 +247,7 @@ fn tree_verification_equals_each_path_run_alone_and_moved_kv_decodes_on() {
         positions: &prefill_pos,
         spans: &span,
         logit_rows: &rows,
+        fill: None,
     };
     m.model
         .forward(&m.backend, &mut kv, &batch, &mut ws)
@@ -270,6 +272,7 @@ fn tree_verification_equals_each_path_run_alone_and_moved_kv_decodes_on() {
         positions: &positions,
         spans: &span,
         logit_rows: &rows,
+        fill: None,
     };
     let logits = m
         .model
@@ -322,6 +325,7 @@ fn tree_verification_equals_each_path_run_alone_and_moved_kv_decodes_on() {
         positions: &[at],
         spans: &span,
         logit_rows: &[0],
+        fill: None,
     };
     let got = m
         .model

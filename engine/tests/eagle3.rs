@@ -64,6 +64,7 @@ fn captured(m: &LoadedModel<CpuBackend>, prompt: &[u32], layers: &[usize]) -> Ve
         positions: &positions,
         spans: &spans,
         logit_rows: &[n - 1],
+        fill: None,
     };
     m.model
         .forward(&m.backend, &mut kv, &batch, &mut ws)

@@ -93,6 +93,7 @@ fn teacher_forced(m: &LoadedModel<CpuBackend>, case: &Case) -> Vec<Vec<f32>> {
         positions: &positions,
         spans: &spans,
         logit_rows: &rows,
+        fill: None,
     };
     let logits = m
         .model

@@ -41,6 +41,7 @@ fn runner_with(spec: SpecConfig, sampling: SamplingSite, graphs: GraphUse) -> Bo
             spec,
             sampling,
             graphs,
+            overlap: false,
         },
     };
     kiln::runner::load(&load, &mut |_| {}).expect("load").0
@@ -88,6 +89,7 @@ impl Seq {
                 tokens_left,
                 context_left: 1 << 20,
                 mask,
+                pending_last: false,
             }],
         };
         let out = r.execute(&plan).expect("step");
@@ -196,6 +198,7 @@ fn a_failing_op_fails_the_step_with_an_error_and_the_runner_goes_on() {
             tokens_left: 4,
             context_left: 64,
             mask: None,
+            pending_last: false,
         }],
     };
     let e = r
@@ -340,6 +343,7 @@ fn batch_run(
                     tokens_left: 1 << 20,
                     context_left: 1 << 20,
                     mask: None,
+                    pending_last: false,
                 })
                 .collect(),
         };
@@ -426,7 +430,7 @@ fn a_panicking_step_fails_its_request_and_the_engine_goes_on() {
             max_running: 4,
             max_step_tokens: 256,
             max_model_len: 1024,
-            overlap: true,
+            detok_overlap: true,
         },
         metrics,
     )

@@ -261,6 +261,7 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
         positions: &[0, 1],
         spans: &spans,
         logit_rows: &[1],
+        fill: None,
     };
     let t0 = std::time::Instant::now();
     peers.submit(&batch).expect("submit");

@@ -73,6 +73,30 @@ pub enum GraphPhase {
     Replay,
 }
 
+/// `ids` with every token whose `fill[t]` is a row `r >= 0` replaced by `drawn[r]` (the host
+/// form of [`Backend::embed`]'s `fill`).
+pub fn fill_ids(ids: &[u32], fill: &[i32], drawn: &[u32]) -> Result<Vec<u32>> {
+    if fill.len() != ids.len() {
+        return Err(crate::Error::Device(format!(
+            "{} fill entries for {} tokens",
+            fill.len(),
+            ids.len()
+        )));
+    }
+    ids.iter()
+        .zip(fill)
+        .map(|(&id, &r)| match usize::try_from(r) {
+            Err(_) => Ok(id),
+            Ok(r) => drawn.get(r).copied().ok_or_else(|| {
+                crate::Error::Device(format!(
+                    "a token fills from row {r} of a draw of {} rows",
+                    drawn.len()
+                ))
+            }),
+        })
+        .collect()
+}
+
 /// RoPE tables shared by all layers.
 #[derive(Clone, Debug)]
 pub struct RopeSpec {
@@ -99,6 +123,9 @@ pub trait Backend: Send + Sync {
     type Buffer: Send;
     /// Key/value storage for every layer, in fixed-size blocks.
     type KvStore: Send;
+    /// A sampling op's results, possibly still where they were drawn
+    /// ([`Backend::sample_launch`]).
+    type Drawn: Send;
     /// One forward's metadata in the backend's own form: each token's position, each sequence's
     /// span, block table and tree mask. Made once per forward by [`Backend::step_meta`], so a
     /// device backend uploads it once and every layer's rope and attention read that copy.
@@ -152,8 +179,17 @@ pub trait Backend: Send + Sync {
         positions: &'a [usize],
         spans: &'a [SeqSpan<'a>],
     ) -> Result<Self::StepMeta<'a>>;
-    /// `out[t] = table[ids[t]]` (rows of an embedding matrix, dequantized).
-    fn embed(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Buffer) -> Result<()>;
+    /// `out[t] = table[ids[t]]` (rows of an embedding matrix, dequantized). With `fill`, a
+    /// token whose `fill[t]` is a row `r >= 0` takes instead the token the latest
+    /// [`Backend::sample_launch`] drew for row `r`, read where it was drawn: overlap scheduling
+    /// feeds a step the previous step's tokens before the host has them.
+    fn embed(
+        &self,
+        table: &Self::Matrix,
+        ids: &[u32],
+        fill: Option<&[i32]>,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
     /// `out = x * w^T`: `x` is `[n, cols]`, `out` is `[n, rows]`.
     fn matmul(&self, x: &Self::Buffer, w: &Self::Matrix, out: &mut Self::Buffer) -> Result<()>;
     /// Adds `bias[cols_range]` to every row of `x[.., cols_range]`.
@@ -270,7 +306,16 @@ pub trait Backend: Send + Sync {
     /// Draws one token per row of `logits` (`draws.len()` rows of vocabulary width, the LM
     /// head's output) where the logits are, agreeing with [`crate::sampling::sample_row`]; only
     /// token ids and the logprobs asked for come back.
-    fn sample(&self, logits: &Self::Buffer, draws: &[RowDraw<'_>]) -> Result<Vec<RowResult>>;
+    fn sample(&self, logits: &Self::Buffer, draws: &[RowDraw<'_>]) -> Result<Vec<RowResult>> {
+        let drawn = self.sample_launch(logits, draws)?;
+        self.sample_read(drawn)
+    }
+    /// [`Backend::sample`]'s first half: the draws are made (a device backend enqueues them and
+    /// returns at once) and their tokens become what [`Backend::embed`]'s `fill` reads, until
+    /// the next launch. At most two launches may be unread at a time.
+    fn sample_launch(&self, logits: &Self::Buffer, draws: &[RowDraw<'_>]) -> Result<Self::Drawn>;
+    /// The second half: waits for a launch's results and brings them to the host.
+    fn sample_read(&self, drawn: Self::Drawn) -> Result<Vec<RowResult>>;
     /// Whether the runner should give its rows to [`Backend::sample`] instead of copying the
     /// logits to the host (a device backend, where that copy is a vocabulary-wide row per
     /// token). The host samples host logits lazily, so a tree walk draws only the nodes it

@@ -3,9 +3,18 @@
 //! finish requests. Everything that touches the model (drafting, the forward, sampling,
 //! verification) is the runner's; the engine sees token ids.
 //!
+//! Overlap scheduling (SGLang's overlap scheduler): where the runner draws every token where the
+//! logits are (a GPU) and each request's next draw needs nothing the host learns from the step
+//! before (no penalties, no speculation), the engine launches step N+1 before it collects step
+//! N's tokens. Step N's sequences get a placeholder token that the runner feeds from the
+//! device ([`SeqPlan::pending_last`]); collecting replaces it. A request that ends at step N by
+//! a stop token is found one step late, so its step N+1 row is wasted and dropped; one that ends
+//! by its length is known ahead, and the engine collects before planning past it. Any request
+//! that cannot run ahead makes every step wait for the one before (the plain path).
+//!
 //! Detokenization, stop strings, JSON and SSE happen on the HTTP side, in parallel with the next
-//! model step (the detokenization overlap); `overlap: false` moves detokenization onto this
-//! thread for comparison.
+//! model step (the detokenization overlap, another thing); `detok_overlap: false` moves
+//! detokenization onto this thread for comparison.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,7 +41,8 @@ pub struct EngineConfig {
     pub max_step_tokens: usize,
     /// Longest sequence (prompt + output) a request may reach.
     pub max_model_len: usize,
-    pub overlap: bool,
+    /// Detokenization on the HTTP side (off: on this thread).
+    pub detok_overlap: bool,
 }
 
 /// State the HTTP side reads without talking to the engine thread.
@@ -78,6 +88,23 @@ struct Live {
     arrival: Instant,
     last_token: Option<Instant>,
     generated: usize,
+    /// Its draws need nothing from the host's view of the step before (overlap scheduling).
+    overlaps: bool,
+    /// Index in its tokens of the placeholder for the launched step's draw, if one is out.
+    placeholder: Option<usize>,
+}
+
+/// A step launched and not yet collected (overlap scheduling).
+struct InFlight {
+    seqs: Vec<InFlightSeq>,
+    /// A sequence in it ends by its length with this step's token: the next plan waits for it.
+    ends_by_length: bool,
+}
+
+struct InFlightSeq {
+    id: SeqId,
+    /// Where its drawn token goes, when the step draws one for it.
+    placeholder: Option<usize>,
 }
 
 pub struct Engine {
@@ -90,6 +117,7 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     status: Arc<EngineStatus>,
     started: Instant,
+    in_flight: Option<InFlight>,
 }
 
 /// What the engine reserved for a scheduled sequence's drafts before planning.
@@ -147,13 +175,14 @@ impl Engine {
             metrics,
             status,
             started,
+            in_flight: None,
         }
     }
 
     fn run(&mut self, rx: Receiver<EngineRequest>) {
         loop {
             self.beat();
-            if self.sched.is_idle() {
+            if self.sched.is_idle() && self.in_flight.is_none() {
                 // Wake at least once a second so the heartbeat stays fresh for the watchdog.
                 match rx.recv_timeout(Duration::from_secs(1)) {
                     Ok(req) => self.admit(req),
@@ -183,16 +212,19 @@ impl Engine {
             ignore_eos: p.ignore_eos,
             stop_token_ids: p.stop_token_ids.clone(),
         };
+        let overlaps = self.runner.overlaps(&seq_params);
         self.runner.admit(id, seq_params, &req.prompt);
         self.live.insert(
             id,
             Live {
-                decoder: (!self.cfg.overlap).then(|| IncrementalDecoder::new(true)),
+                decoder: (!self.cfg.detok_overlap).then(|| IncrementalDecoder::new(true)),
                 params: req.params,
                 events: req.events,
                 arrival: req.arrival,
                 last_token: None,
                 generated: 0,
+                overlaps,
+                placeholder: None,
             },
         );
         self.sched.add(SeqState::new(id, req.prompt));
@@ -202,39 +234,159 @@ impl Engine {
     pub fn step(&mut self) {
         let t0 = Instant::now();
         self.drop_aborted();
+        if self.in_flight.is_some() && !self.may_launch_ahead() {
+            self.collect();
+        }
         let schedule = self.sched.schedule();
         self.metrics
             .preemptions
             .inc_by(schedule.preempted.len() as u64);
         self.update_gauges();
         if schedule.work.is_empty() {
+            if self.in_flight.is_some() {
+                self.collect();
+                self.update_gauges();
+            }
             return;
         }
-        let rooms = self.reserve_draft_room(&schedule.work);
-        let result = {
-            let plan = plan(&self.sched, &self.live, &self.cfg, &schedule.work, &rooms);
-            // A panic inside the step (a bug in a kernel, say) fails this step's requests like
-            // any error instead of killing the engine thread and hanging every client.
-            let runner = &mut self.runner;
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner.execute(&plan)))
-                .unwrap_or_else(|payload| {
-                    let msg = payload
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_else(|| "no message".into());
-                    Err(crate::Error::Panicked(msg))
-                })
-        };
-        match result {
-            Ok(out) => {
-                self.record_step(&out, schedule.work.len());
-                self.apply(&schedule.work, &rooms, out);
-            }
-            Err(e) => self.fail_step(&schedule.work, e),
+        if self.may_launch_ahead() {
+            self.launch(&schedule.work);
+        } else {
+            self.execute(&schedule.work);
         }
         self.update_gauges();
         self.metrics.step_time.observe(t0.elapsed().as_secs_f64());
+    }
+
+    /// Whether the next step may launch before the one in flight is collected: every live
+    /// request runs overlapped, and none ends by its length with the step in flight (known
+    /// ahead, so planning past it would only waste its row).
+    fn may_launch_ahead(&self) -> bool {
+        self.live.values().all(|l| l.overlaps)
+            && self.in_flight.as_ref().is_none_or(|f| !f.ends_by_length)
+    }
+
+    /// The plain step: the runner runs it to its tokens, which are applied before returning.
+    fn execute(&mut self, work: &[(usize, usize)]) {
+        let rooms = self.reserve_draft_room(work);
+        let result = {
+            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms);
+            let runner = &mut self.runner;
+            guarded(|| runner.execute(&plan))
+        };
+        match result {
+            Ok(out) => {
+                self.record_step(&out, work.len());
+                self.apply(work, &rooms, out);
+            }
+            Err(e) => {
+                let ids = self.ids(work);
+                self.fail_step(&ids, e);
+            }
+        }
+    }
+
+    /// Overlap scheduling: launches this step, then collects the one before it (whose tokens
+    /// this step already fed from the device).
+    fn launch(&mut self, work: &[(usize, usize)]) {
+        let rooms = vec![DraftRoom::default(); work.len()];
+        let (result, ends_by_length) = {
+            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms);
+            let ends = plan
+                .seqs
+                .iter()
+                .any(|s| s.samples() && (s.tokens_left <= 1 || s.context_left <= 1));
+            let runner = &mut self.runner;
+            (guarded(|| runner.launch(&plan)), ends)
+        };
+        let ids = self.ids(work);
+        if let Err(e) = result {
+            if self.in_flight.is_some() {
+                self.collect();
+            }
+            self.fail_step(&ids, e);
+            return;
+        }
+        self.metrics.steps_launched_ahead.inc();
+        // The fed tokens are in the cache once the step runs; a sequence the step draws for
+        // gets a placeholder, so the next plan feeds the draw and the scheduler counts it.
+        let mut seqs = Vec::with_capacity(work.len());
+        for &(i, n) in work {
+            let seq = &mut self.sched.running_mut()[i];
+            seq.computed += n;
+            let mut placeholder = None;
+            if seq.computed == seq.tokens.len() {
+                placeholder = Some(seq.tokens.len());
+                seq.tokens.push(0);
+                if let Some(live) = self.live.get_mut(&seq.id) {
+                    live.placeholder = placeholder;
+                }
+            }
+            seqs.push(InFlightSeq {
+                id: seq.id,
+                placeholder,
+            });
+        }
+        let earlier = self.in_flight.replace(InFlight {
+            seqs,
+            ends_by_length,
+        });
+        if let Some(earlier) = earlier {
+            self.collect_step(earlier);
+        }
+    }
+
+    /// Collects the step in flight.
+    fn collect(&mut self) {
+        if let Some(f) = self.in_flight.take() {
+            self.collect_step(f);
+        }
+    }
+
+    /// A launched step's tokens: each replaces its placeholder and goes to its request;
+    /// sequences that ended (by a stop token, found only now) finish, and whatever the step
+    /// after drew for them is dropped when it is collected.
+    fn collect_step(&mut self, f: InFlight) {
+        let runner = &mut self.runner;
+        let out = match guarded(|| runner.collect()) {
+            Ok(out) => out,
+            Err(e) => {
+                let ids: Vec<SeqId> = f.seqs.iter().map(|s| s.id).collect();
+                self.fail_step(&ids, e);
+                return;
+            }
+        };
+        self.record_step(&out, f.seqs.len());
+        let mut finished = Vec::new();
+        for (s, o) in f.seqs.iter().zip(out.seqs) {
+            let (Some(at), Some(live)) = (s.placeholder, self.live.get_mut(&s.id)) else {
+                continue;
+            };
+            let Some(seq) = self.sched.get_mut(s.id) else {
+                continue;
+            };
+            if live.placeholder == Some(at) {
+                live.placeholder = None;
+            }
+            for sampled in o.tokens {
+                if let Some(slot) = seq.tokens.get_mut(at) {
+                    *slot = sampled.token;
+                }
+                deliver(live, sampled, &self.metrics, &self.info);
+            }
+            if let Some(reason) = o.finish {
+                finished.push((s.id, reason));
+            }
+        }
+        for (id, reason) in finished {
+            self.finish(id, reason);
+        }
+    }
+
+    fn ids(&self, work: &[(usize, usize)]) -> Vec<SeqId> {
+        work.iter()
+            .map(|&(i, _)| self.sched.running()[i].id)
+            .collect()
     }
 
     /// Reserves the KV slots of every decoding sequence's largest draft, so the runner drafts
@@ -320,13 +472,9 @@ impl Engine {
 
     /// A failed step fails the requests in it; when the runner's state is gone (a
     /// tensor-parallel rank died) the process exits so the service manager restarts it whole.
-    fn fail_step(&mut self, work: &[(usize, usize)], e: crate::Error) {
+    fn fail_step(&mut self, ids: &[SeqId], e: crate::Error) {
         tracing::error!("the model step failed: {e}");
-        let ids: Vec<SeqId> = work
-            .iter()
-            .map(|&(i, _)| self.sched.running()[i].id)
-            .collect();
-        for id in ids {
+        for &id in ids {
             self.finish_with(id, Event::Failed(format!("the model step failed: {e}")));
         }
         if e.backend_lost() {
@@ -405,7 +553,10 @@ fn plan<'a>(
         .zip(rooms)
         .map(|(&(i, n), room)| {
             let seq = &running[i];
-            let generated = live.get(&seq.id).map_or(0, |l| l.generated);
+            // A draw still out (overlap scheduling) counts as emitted.
+            let generated = live
+                .get(&seq.id)
+                .map_or(0, |l| l.generated + usize::from(l.placeholder.is_some()));
             let max_tokens = live.get(&seq.id).map_or(0, |l| l.params.max_tokens);
             SeqPlan {
                 id: seq.id,
@@ -419,10 +570,24 @@ fn plan<'a>(
                 tokens_left: max_tokens.saturating_sub(generated),
                 context_left: cfg.max_model_len.saturating_sub(seq.tokens.len()),
                 mask: None,
+                pending_last: live.get(&seq.id).is_some_and(|l| l.placeholder.is_some()),
             }
         })
         .collect();
     StepPlan { seqs }
+}
+
+/// Runs a runner call so that a panic inside it (a bug in a kernel, say) fails the step's
+/// requests like any error instead of killing the engine thread and hanging every client.
+fn guarded<T>(f: impl FnOnce() -> crate::Result<T>) -> crate::Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "no message".into());
+        Err(crate::Error::Panicked(msg))
+    })
 }
 
 /// Hands one generated token to its request and appends it to the sequence (whether it ends
@@ -434,8 +599,13 @@ fn emit(
     metrics: &Metrics,
     info: &ModelInfo,
 ) {
+    seq.tokens.push(sampled.token);
+    deliver(live, sampled, metrics, info);
+}
+
+/// Hands one generated token to its request (its sequence already holds it).
+fn deliver(live: &mut Live, sampled: Sampled, metrics: &Metrics, info: &ModelInfo) {
     let tok = sampled.token;
-    seq.tokens.push(tok);
     live.generated += 1;
     let now = Instant::now();
     match live.last_token {

@@ -118,6 +118,14 @@ impl Scheduler {
         seq.blocks.truncate(&mut self.alloc, seq.tokens.len());
     }
 
+    /// A sequence wherever it is (running or waiting).
+    pub fn get_mut(&mut self, id: SeqId) -> Option<&mut SeqState> {
+        self.running
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|s| s.id == id)
+    }
+
     /// Removes a sequence wherever it is and frees its blocks.
     pub fn remove(&mut self, id: SeqId) -> Option<SeqState> {
         let mut seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {

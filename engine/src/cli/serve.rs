@@ -143,10 +143,16 @@ pub struct ServeArgs {
     /// The `instance` label on every metric [default: HOST:PORT].
     #[arg(long)]
     instance: Option<String>,
-    /// Detokenize on the engine thread instead of alongside the next step (for comparison).
+    /// Detokenize on the engine thread instead of alongside the next step (for comparison;
+    /// the detokenization overlap, not the overlap scheduler below).
     #[arg(long)]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     no_overlap: bool,
+    /// GPU only (SGLang's flag): the host waits for each step's tokens before planning the
+    /// next, instead of launching step N+1 while the GPU runs step N.
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    disable_overlap_schedule: bool,
     /// Speculative decoding: none; ngram (prompt lookup: drafts continue the latest earlier
     /// occurrence of the last tokens; no draft model); eagle3 (chain drafts from an EAGLE-3 draft
     /// head, --speculative-draft-model-path) [default: none].
@@ -400,7 +406,8 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         max_n: positive("max-n", a.max_n)?,
         tensor_parallel: positive("tensor-parallel-size", a.tensor_parallel_size)?,
         shutdown_timeout: Duration::from_secs(given("shutdown-timeout", a.shutdown_timeout)?),
-        overlap: !a.no_overlap,
+        detok_overlap: !a.no_overlap,
+        overlap_schedule: !a.disable_overlap_schedule,
         graphs: if a.disable_cuda_graph {
             GraphUse::Off
         } else {

@@ -96,6 +96,9 @@ fn why(key: &str) -> &'static str {
         }
         "shutdown-timeout" => "seconds in-flight requests may finish after SIGTERM",
         "no-overlap" => "detokenize on the engine thread (off: overlapped with the next step)",
+        "disable-overlap-schedule" => {
+            "plan each step after the previous step's tokens reach the host (GPU)"
+        }
         "speculative-algorithm" => "speculative decoding method",
         "speculative-num-steps" => "most draft tokens per sequence per step",
         "speculative-policy" => {

@@ -455,6 +455,7 @@ impl<B: Backend> Eagle3Draft<B> {
         backend.embed(
             self.embed.as_ref().unwrap_or(target_embed),
             tokens,
+            None,
             &mut ws.e,
         )?;
         backend.rms_norm(&ws.e, &self.input_norm, eps, &mut ws.en)?;

@@ -68,6 +68,9 @@ pub struct ForwardBatch<'a> {
     pub spans: &'a [SeqSpan<'a>],
     /// Indices into `tokens` whose next-token logits are wanted (usually each sequence's last token).
     pub logit_rows: &'a [usize],
+    /// Overlap scheduling: per token, the row of the previous sampling launch whose draw
+    /// replaces it (`-1`: the token as given); see [`Backend::embed`].
+    pub fill: Option<&'a [i32]>,
 }
 
 /// Activation buffers reused from step to step.
@@ -619,7 +622,7 @@ impl<B: Backend> Llama<B> {
         }
         let _span = tracing::trace_span!("forward", tokens = n).entered();
         backend.begin_forward()?;
-        backend.embed(&self.embed, batch.tokens, &mut ws.x)?;
+        backend.embed(&self.embed, batch.tokens, batch.fill, &mut ws.x)?;
         let q_width = n_heads * c.head_dim;
         let reduce = |ws: &mut Workspace<B>| -> Result<()> {
             match comm {

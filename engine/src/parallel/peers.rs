@@ -151,6 +151,7 @@ impl WithBackend for Peer<'_> {
                 positions: &job.positions,
                 spans: &spans,
                 logit_rows: &job.logit_rows,
+                fill: None,
             };
             let out = model
                 .forward_sharded(&backend, &mut kv, &batch, &mut ws, comm)

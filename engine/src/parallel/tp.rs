@@ -132,6 +132,7 @@ fn greedy_over<B: Backend>(
             positions: &positions,
             spans: &spans,
             logit_rows: &[n - 1],
+            fill: None,
         };
         let logits = match &group {
             Some(g) => g.step(&batch, |comm| {

@@ -83,6 +83,10 @@ pub struct Padded {
     starts: Vec<usize>,
     tables: Vec<Vec<u32>>,
     pub logit_rows: Vec<usize>,
+    /// Per token, the previous draw's row it takes its id from (`-1`: its own id; padding
+    /// never fills). Always present, so a graph's embedding reads a fill array whether or not
+    /// the step it replays fills (overlap scheduling).
+    pub fill: Vec<i32>,
 }
 
 impl Padded {
@@ -125,10 +129,10 @@ impl DecodeGraphs {
     }
 
     /// Staging bytes one step of `bucket` takes at most: per token its position, cache
-    /// position, sequence, tree base and row, id, gathered rows (the LM head's and up to four
-    /// captured layers'), and its padded table; 256 bytes of alignment per array.
+    /// position, sequence, tree base and row, id, fill row, gathered rows (the LM head's and up
+    /// to four captured layers'), and its padded table; 256 bytes of alignment per array.
     pub fn staging_bytes(&self, bucket: usize) -> usize {
-        bucket * (6 * 4 + 8 + 4 * 4 + 4 * self.table_blocks) + 16 * 256
+        bucket * (7 * 4 + 8 + 4 * 4 + 4 * self.table_blocks) + 17 * 256
     }
 
     /// The step padded to its bucket, when it is a plain decode step that fits one: every span
@@ -172,6 +176,7 @@ impl DecodeGraphs {
                 })
                 .collect(),
             logit_rows: (0..bucket).collect(),
+            fill: vec![-1; bucket],
         };
         for _ in n..bucket {
             p.tokens.push(0);
@@ -191,6 +196,7 @@ impl DecodeGraphs {
             starts: vec![0; bucket],
             tables: vec![vec![self.pad_block; self.table_blocks]; bucket],
             logit_rows: (0..bucket).collect(),
+            fill: vec![-1; bucket],
         }
     }
 }
@@ -258,6 +264,7 @@ mod tests {
             .pad(&[11, 12, 13], &[5, 0, 9], &spans, &[0, 1, 2])
             .expect("a plain decode step");
         assert_eq!(p.bucket, 4);
+        assert_eq!(p.fill, [-1; 4], "nothing fills until the runner says so");
         assert_eq!(p.tokens, [11, 12, 13, 0]);
         assert_eq!(p.positions, [5, 0, 9, 0]);
         assert_eq!(p.logit_rows, [0, 1, 2, 3]);

@@ -69,6 +69,9 @@ pub struct RunnerConfig {
     pub sampling: SamplingSite,
     /// Decode steps from recorded graphs (`--cuda-graph-max-bs`, `--disable-cuda-graph`).
     pub graphs: GraphUse,
+    /// Steps may launch ahead of the previous step's results (overlap scheduling; off with
+    /// `--disable-overlap-schedule`). Only where sampling is on the backend.
+    pub overlap: bool,
 }
 
 /// Where a step's tokens are drawn from its logits.
@@ -102,6 +105,27 @@ pub trait ModelRunner: Send {
     /// write this step (0: this runner does not draft). The engine reserves them before planning.
     fn draft_slots(&self, room: usize) -> usize;
     /// Runs one step. An error fails the plan's sequences; [`crate::Error::backend_lost`] says
-    /// whether the runner can go on at all.
+    /// whether the runner can go on at all. Nothing may be launched and uncollected.
     fn execute(&mut self, plan: &StepPlan<'_>) -> Result<StepOutput>;
+
+    /// Whether a sequence with `params` may run in steps launched ahead of their results
+    /// (overlap scheduling): every draw is made where the logits are and needs nothing the host
+    /// learns from the step before (no penalties, no drafts, no tensor parallelism).
+    fn overlaps(&self, _params: &SeqParams) -> bool {
+        false
+    }
+    /// Overlap scheduling's first half of a step: the forward and the draws are enqueued and
+    /// the call returns without their tokens, which stay where they were drawn for the next
+    /// launch to feed ([`SeqPlan::pending_last`]). At most two launches wait uncollected.
+    fn launch(&mut self, _plan: &StepPlan<'_>) -> Result<()> {
+        Err(crate::Error::Device(
+            "this runner does not launch steps ahead".into(),
+        ))
+    }
+    /// The oldest launched step's output, waiting for its tokens.
+    fn collect(&mut self) -> Result<StepOutput> {
+        Err(crate::Error::Device(
+            "this runner does not launch steps ahead".into(),
+        ))
+    }
 }

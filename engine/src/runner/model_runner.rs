@@ -1,7 +1,7 @@
 //! [`Runner`]: one step is drafts -> batch -> forward -> acceptance -> draft catch-up, over any
 //! backend. The engine sees none of it: plan in, emitted tokens out.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,7 +17,7 @@ use crate::kv_cache::{BlockAllocator, SeqBlocks};
 use crate::load::LoadedModel;
 use crate::model::{Eagle3Draft, ForwardBatch, Workspace};
 use crate::parallel::TpGroup;
-use crate::sampling::{RowDraw, RowResult, Sampler, SamplingParams};
+use crate::sampling::{RowDraw, RowResult, Sampler};
 use crate::speculation::Policy;
 use crate::speculation::eagle::Confirmed;
 
@@ -43,6 +43,8 @@ pub struct Runner<B: Backend> {
     graphs: Option<DecodeGraphs>,
     /// Buckets whose graph is recorded (the backend may drop them all when a buffer grows).
     recorded: HashSet<usize>,
+    /// Steps launched ahead of their results, oldest first (overlap scheduling; at most two).
+    launched: VecDeque<Launched<B>>,
 }
 
 /// One planned sequence as the batch lays it out.
@@ -93,6 +95,7 @@ impl<B: Backend> Runner<B> {
             seqs: HashMap::new(),
             graphs,
             recorded: HashSet::new(),
+            launched: VecDeque::new(),
         };
         if runner.graphs.as_ref().is_some_and(|g| g.record) {
             runner.record_graphs();
@@ -233,6 +236,7 @@ impl<B: Backend> Runner<B> {
                 positions: &positions,
                 spans: &spans,
                 logit_rows: &[n - 1],
+                fill: None,
             };
             for _ in 0..2 {
                 let t = Instant::now();
@@ -309,18 +313,108 @@ impl<B: Backend> Runner<B> {
                 // Released mid-step: its rows are drawn greedily and never read.
                 None => {
                     let n = 1 + drafts.tokens[w].len();
-                    draws.extend((0..n).map(|_| RowDraw {
-                        params: SamplingParams::greedy(),
-                        penalties: Vec::new(),
-                        mask: None,
-                        draft: None,
-                        uniforms: [0.0; 2],
-                    }));
+                    draws.extend((0..n).map(|_| RowDraw::greedy()));
                 }
             }
         }
         debug_assert_eq!(draws.len(), n_rows);
         self.model.backend.sample(self.ws.logits(), &draws)
+    }
+
+    /// Each planned sequence's span of the batch (`masks[w]`: its verification tree's mask;
+    /// none past the end of `masks`).
+    fn spans<'a>(
+        plan: &'a StepPlan<'_>,
+        fed: &[Fed],
+        masks: &'a [Option<Vec<u64>>],
+    ) -> Vec<SeqSpan<'a>> {
+        plan.seqs
+            .iter()
+            .zip(fed)
+            .enumerate()
+            .map(|(w, (s, f))| SeqSpan {
+                first_token: f.first,
+                n_tokens: f.n,
+                start_pos: s.computed,
+                block_table: s.block_table,
+                tree: masks.get(w).and_then(Option::as_ref).map(|rows| TreeMask {
+                    base: s.computed,
+                    rows,
+                }),
+            })
+            .collect()
+    }
+
+    /// Overlap scheduling: the batch tokens that are the latest launched step's draws, not yet
+    /// read (a sequence's placeholder last token, [`super::SeqPlan::pending_last`]).
+    fn fill_from_launched(&self, plan: &StepPlan<'_>, fed: &[Fed]) -> Result<Option<Vec<i32>>> {
+        if !plan.seqs.iter().any(|s| s.pending_last) {
+            return Ok(None);
+        }
+        let latest = self.launched.back().ok_or_else(|| {
+            crate::Error::Device("a token waits on a step that was never launched".into())
+        })?;
+        let n: usize = fed.iter().map(|f| f.n).sum();
+        let mut fill = vec![-1i32; n];
+        for (s, f) in plan.seqs.iter().zip(fed) {
+            if !s.pending_last {
+                continue;
+            }
+            let row = latest
+                .seqs
+                .iter()
+                .find(|l| l.id == s.id)
+                .and_then(|l| l.row)
+                .ok_or_else(|| {
+                    crate::Error::Device(format!(
+                        "sequence {} waits on a token the latest step did not draw",
+                        s.id
+                    ))
+                })?;
+            // The placeholder is the sequence's last token; fed only when this step reaches it.
+            let last = s.tokens.len() - 1;
+            if (s.computed..s.computed + s.n_new).contains(&last) {
+                fill[f.first + last - s.computed] = row as i32;
+            }
+        }
+        Ok(Some(fill))
+    }
+
+    /// The step's forward, padded to a graph bucket when it is a plain decode step: logits left
+    /// in the workspace (`in_backend`) or copied to the host. Returns them (empty when left in
+    /// place) and the bucket, if the step was padded.
+    fn step_forward(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        in_backend: bool,
+    ) -> Result<(Vec<f32>, Option<usize>)> {
+        let padded = self.graphs.as_ref().and_then(|g| {
+            let mut p = g.pad(batch.tokens, batch.positions, batch.spans, batch.logit_rows)?;
+            if let Some(fill) = batch.fill {
+                p.fill[..fill.len()].copy_from_slice(fill);
+            }
+            Some(p)
+        });
+        let t = Instant::now();
+        let logits = match &padded {
+            Some(p) => match self.forward_padded(p) {
+                // The padding rows' logits follow the real ones and are never read.
+                Ok(()) if in_backend => Ok(Vec::new()),
+                Ok(()) => self.model.backend.to_host(self.ws.logits()),
+                Err(e) if e.backend_lost() => Err(e),
+                Err(e) => {
+                    tracing::warn!("decode graphs are off, decode runs eagerly: {e}");
+                    self.graphs = None;
+                    self.recorded.clear();
+                    self.forward_either(batch, in_backend)
+                }
+            },
+            None => self.forward_either(batch, in_backend),
+        };
+        self.policy
+            .record_step(batch.tokens.len(), t.elapsed().as_secs_f64());
+        let bucket = padded.filter(|_| self.graphs.is_some()).map(|p| p.bucket);
+        Ok((logits?, bucket))
     }
 
     /// The step's batch: each sequence's new tokens and drafts, their positions (a tree's nodes
@@ -365,6 +459,7 @@ fn padded_batch<'a>(p: &'a Padded, spans: &'a [SeqSpan<'a>]) -> ForwardBatch<'a>
         positions: &p.positions,
         spans,
         logit_rows: &p.logit_rows,
+        fill: Some(&p.fill),
     }
 }
 
@@ -402,6 +497,11 @@ impl<B: Backend> ModelRunner for Runner<B> {
     }
 
     fn execute(&mut self, plan: &StepPlan<'_>) -> Result<StepOutput> {
+        if !self.launched.is_empty() || plan.seqs.iter().any(|s| s.pending_last) {
+            return Err(crate::Error::Device(
+                "a step ran while an earlier one's tokens were still on the device".into(),
+            ));
+        }
         // The policy may park the EAGLE-3 draft (drafting did not pay): no drafts, no extend.
         let parked = self.policy.draft_parked(plan.seqs.len());
         let budget = self.cfg.max_step_tokens.saturating_sub(plan.tokens());
@@ -417,52 +517,16 @@ impl<B: Backend> ModelRunner for Runner<B> {
             .iter()
             .map(|t| t.as_ref().map(|t| t.verify_mask()))
             .collect();
-        let spans: Vec<SeqSpan> = plan
-            .seqs
-            .iter()
-            .zip(&fed)
-            .zip(&masks)
-            .map(|((s, f), mask)| SeqSpan {
-                first_token: f.first,
-                n_tokens: f.n,
-                start_pos: s.computed,
-                block_table: s.block_table,
-                tree: mask.as_ref().map(|rows| TreeMask {
-                    base: s.computed,
-                    rows,
-                }),
-            })
-            .collect();
+        let spans = Self::spans(plan, &fed, &masks);
         let batch = ForwardBatch {
             tokens: &tokens,
             positions: &positions,
             spans: &spans,
             logit_rows: &logit_rows,
+            fill: None,
         };
         let in_backend = self.samples_in_backend();
-        let padded = self
-            .graphs
-            .as_ref()
-            .and_then(|g| g.pad(&tokens, &positions, &spans, &logit_rows));
-        let t = Instant::now();
-        let logits = match &padded {
-            Some(p) => match self.forward_padded(p) {
-                // The padding rows' logits follow the real ones and are never read.
-                Ok(()) if in_backend => Ok(Vec::new()),
-                Ok(()) => self.model.backend.to_host(self.ws.logits()),
-                Err(e) if e.backend_lost() => Err(e),
-                Err(e) => {
-                    tracing::warn!("decode graphs are off, decode runs eagerly: {e}");
-                    self.graphs = None;
-                    self.recorded.clear();
-                    self.forward_either(&batch, in_backend)
-                }
-            },
-            None => self.forward_either(&batch, in_backend),
-        };
-        self.policy
-            .record_step(tokens.len(), t.elapsed().as_secs_f64());
-        let logits = logits?;
+        let (logits, graph_bucket) = self.step_forward(&batch, in_backend)?;
         let drawn = if in_backend {
             self.draw_rows(plan, &fed, &drafts, logit_rows.len())?
         } else {
@@ -542,13 +606,116 @@ impl<B: Backend> ModelRunner for Runner<B> {
             chosen_k: drafts.chosen_k,
             draft_parked: parked,
             forward_tokens: tokens.len(),
-            graph_bucket: if self.graphs.is_some() {
-                padded.map(|p| p.bucket)
-            } else {
-                None
-            },
+            graph_bucket,
         })
     }
+
+    fn overlaps(&self, params: &SeqParams) -> bool {
+        // Penalties count the tokens before each draw on the host, which the step ahead
+        // does not have yet; drafting reads them too (n-gram lookups, EAGLE-3's extend).
+        self.cfg.overlap
+            && self.tp.is_none()
+            && !self.policy.enabled()
+            && self.samples_in_backend()
+            && !params.sampling.has_penalties()
+    }
+
+    fn launch(&mut self, plan: &StepPlan<'_>) -> Result<()> {
+        if self.launched.len() >= 2 {
+            return Err(crate::Error::Device(
+                "a third step launched before the first was collected".into(),
+            ));
+        }
+        let drafts = Drafts::none(plan.seqs.len());
+        let (tokens, positions, logit_rows, fed) = Self::lay_out(plan, &drafts);
+        let fill = self.fill_from_launched(plan, &fed)?;
+        let spans = Self::spans(plan, &fed, &[]);
+        let batch = ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            spans: &spans,
+            logit_rows: &logit_rows,
+            fill: fill.as_deref(),
+        };
+        let (_, graph_bucket) = self.step_forward(&batch, true)?;
+        let mut draws = Vec::with_capacity(logit_rows.len());
+        let mut seqs = Vec::with_capacity(plan.seqs.len());
+        for (s, f) in plan.seqs.iter().zip(&fed) {
+            if let Some(row) = f.row {
+                match self.seqs.get_mut(&s.id) {
+                    Some(slot) => {
+                        draws.extend(DrawnRows::draws(&mut slot.sampler, &[], None, s.mask))
+                    }
+                    None => draws.push(RowDraw::greedy()),
+                }
+                debug_assert_eq!(draws.len(), row + 1);
+            }
+            seqs.push(LaunchedSeq {
+                id: s.id,
+                row: f.row,
+                tokens_left: s.tokens_left,
+                context_left: s.context_left,
+            });
+        }
+        let drawn = self.model.backend.sample_launch(self.ws.logits(), &draws)?;
+        self.launched.push_back(Launched {
+            drawn,
+            seqs,
+            forward_tokens: tokens.len(),
+            graph_bucket,
+        });
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<StepOutput> {
+        let Some(l) = self.launched.pop_front() else {
+            return Err(crate::Error::Device("no launched step to collect".into()));
+        };
+        let drawn = self.model.backend.sample_read(l.drawn)?;
+        let outputs = l
+            .seqs
+            .iter()
+            .map(|s| {
+                let (Some(row), Some(slot)) = (s.row, self.seqs.get_mut(&s.id)) else {
+                    return SeqOutput::default();
+                };
+                let mut rows = DrawnRows {
+                    sampler: &mut slot.sampler,
+                    results: &drawn[row..],
+                };
+                let stop = StopRule {
+                    tokenizer: &self.model.tokenizer,
+                    params: &slot.params,
+                    tokens_left: s.tokens_left,
+                    context_left: s.context_left,
+                };
+                accept::chain(&mut rows, &[], &stop)
+            })
+            .collect();
+        Ok(StepOutput {
+            seqs: outputs,
+            forward_tokens: l.forward_tokens,
+            graph_bucket: l.graph_bucket,
+            ..StepOutput::default()
+        })
+    }
+}
+
+/// A step launched ahead of its results (overlap scheduling).
+struct Launched<B: Backend> {
+    drawn: B::Drawn,
+    seqs: Vec<LaunchedSeq>,
+    forward_tokens: usize,
+    graph_bucket: Option<usize>,
+}
+
+/// One planned sequence of a launched step: its row in the step's draw, and its stop limits
+/// as they were when it launched.
+struct LaunchedSeq {
+    id: SeqId,
+    row: Option<usize>,
+    tokens_left: usize,
+    context_left: usize,
 }
 
 impl<B: Backend> Runner<B> {

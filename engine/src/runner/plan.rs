@@ -46,6 +46,10 @@ pub struct SeqPlan<'a> {
     pub context_left: usize,
     /// Applied before sampling every token of this step (structured outputs); `None`: any token.
     pub mask: Option<&'a TokenMask>,
+    /// Overlap scheduling: `tokens`' last entry stands for the token the previous (launched,
+    /// not yet collected) step draws for this sequence; the runner feeds that draw where it was
+    /// made, never this placeholder.
+    pub pending_last: bool,
 }
 
 impl SeqPlan<'_> {

@@ -58,6 +58,14 @@ impl SamplingParams {
         Self::default()
     }
 
+    /// Whether a draw depends on the tokens emitted before it (repetition, presence or
+    /// frequency penalties).
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
+
     /// Rejects values no sampler can honour, naming the field.
     pub fn validate(&self) -> Result<()> {
         let bad = |f: &str, why: &str| Err(Error::InvalidRequest(format!("`{f}` {why}")));

@@ -44,6 +44,19 @@ pub struct RowDraw<'a> {
     pub uniforms: [f32; 2],
 }
 
+impl RowDraw<'_> {
+    /// A greedy draw with nothing else asked (rows nobody reads).
+    pub fn greedy() -> Self {
+        RowDraw {
+            params: SamplingParams::greedy(),
+            penalties: Vec::new(),
+            mask: None,
+            draft: None,
+            uniforms: [0.0; 2],
+        }
+    }
+}
+
 /// What one row drew.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RowResult {

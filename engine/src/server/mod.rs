@@ -229,6 +229,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
             spec: opts.spec,
             sampling: Default::default(),
             graphs: opts.graphs,
+            overlap: opts.overlap_schedule,
         },
     };
     let n2 = notifier.clone();
@@ -256,7 +257,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         max_running: opts.max_running,
         max_step_tokens: opts.max_step_tokens,
         max_model_len,
-        overlap: opts.overlap,
+        detok_overlap: opts.detok_overlap,
     };
     let engine = batching::spawn(runner, cfg, state.metrics.clone())
         .context("starting the engine thread")?;

@@ -49,7 +49,11 @@ pub struct ServeOptions {
     pub tensor_parallel: usize,
     pub shutdown_timeout: Duration,
     pub instance: String,
-    pub overlap: bool,
+    /// Detokenization off the engine thread, alongside the next step (`--no-overlap`: on it).
+    pub detok_overlap: bool,
+    /// Steps launched ahead of their results where the backend samples (SGLang's overlap
+    /// scheduler; `--disable-overlap-schedule`).
+    pub overlap_schedule: bool,
     /// Decode steps from CUDA graphs (`--cuda-graph-max-bs`, `--disable-cuda-graph`).
     pub graphs: crate::runner::GraphUse,
     pub spec: crate::speculation::SpecConfig,

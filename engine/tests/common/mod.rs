@@ -173,6 +173,7 @@ pub fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) ->
         positions: &positions,
         spans: &spans,
         logit_rows: rows,
+        fill: None,
     };
     let out = m
         .model

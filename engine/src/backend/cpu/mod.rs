@@ -42,6 +42,8 @@ impl CpuBuffer {
 pub struct CpuBackend {
     kernels: Kernels,
     team: team::Team,
+    /// The latest sampling launch's tokens, for [`Backend::embed`]'s `fill`.
+    drawn: std::sync::Mutex<Vec<u32>>,
 }
 
 impl CpuBackend {
@@ -57,6 +59,7 @@ impl CpuBackend {
         CpuBackend {
             kernels: *Kernels::best(),
             team: team::Team::new(threads),
+            drawn: std::sync::Mutex::new(Vec::new()),
         }
     }
     /// A backend that uses one specific SIMD level (tests compare levels).
@@ -92,6 +95,7 @@ impl Backend for CpuBackend {
     type Vector = Vec<f32>;
     type Buffer = CpuBuffer;
     type KvStore = CpuKvStore;
+    type Drawn = Vec<RowResult>;
     type StepMeta<'a> = CpuStepMeta<'a>;
 
     fn name(&self) -> &'static str {
@@ -153,7 +157,25 @@ impl Backend for CpuBackend {
         Ok(CpuStepMeta { positions, spans })
     }
 
-    fn embed(&self, table: &CpuMatrix, ids: &[u32], out: &mut CpuBuffer) -> Result<()> {
+    fn embed(
+        &self,
+        table: &CpuMatrix,
+        ids: &[u32],
+        fill: Option<&[i32]>,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let filled;
+        let ids = match fill {
+            None => ids,
+            Some(fill) => {
+                let drawn = self
+                    .drawn
+                    .lock()
+                    .map_err(|_| Error::Device("the drawn tokens were poisoned".into()))?;
+                filled = crate::backend::fill_ids(ids, fill, &drawn)?;
+                &filled
+            }
+        };
         out.resize(ids.len(), table.cols);
         for (i, &id) in ids.iter().enumerate() {
             if id as usize >= table.rows {
@@ -413,22 +435,31 @@ impl Backend for CpuBackend {
         Ok(x.data.clone())
     }
 
-    fn sample(&self, logits: &CpuBuffer, draws: &[RowDraw<'_>]) -> Result<Vec<RowResult>> {
-        if draws.is_empty() {
-            return Ok(Vec::new());
-        }
-        if draws.len() > logits.rows || logits.cols == 0 {
+    /// The host draws at once: the results are ready when this returns.
+    fn sample_launch(&self, logits: &CpuBuffer, draws: &[RowDraw<'_>]) -> Result<Vec<RowResult>> {
+        if draws.len() > logits.rows || (logits.cols == 0 && !draws.is_empty()) {
             return Err(Error::InvalidRequest(format!(
                 "{} draws for {} logits rows",
                 draws.len(),
                 logits.rows
             )));
         }
-        Ok(draws
+        let results: Vec<RowResult> = draws
             .iter()
-            .zip(logits.data.chunks_exact(logits.cols))
+            .zip(logits.data.chunks_exact(logits.cols.max(1)))
             .map(|(d, row)| sample_row(&mut row.to_vec(), d))
-            .collect())
+            .collect();
+        let mut drawn = self
+            .drawn
+            .lock()
+            .map_err(|_| Error::Device("the drawn tokens were poisoned".into()))?;
+        drawn.clear();
+        drawn.extend(results.iter().map(|r| r.sampled.token));
+        Ok(results)
+    }
+
+    fn sample_read(&self, drawn: Vec<RowResult>) -> Result<Vec<RowResult>> {
+        Ok(drawn)
     }
 
     fn all_reduce_sum(

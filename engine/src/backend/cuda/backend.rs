@@ -4,8 +4,9 @@
 //! device at load (dequant.rs). The KV cache is one device slab: for each layer a K plane and a V plane of
 //! `n_blocks * block_size` rows.
 //!
-//! Every op is enqueued on the GPU's one stream and returns at once; only `to_host` (and the
-//! uploads of a step's metadata) wait for the device. A failed launch or copy is an
+//! Every op is enqueued on the GPU's one stream and returns at once; only `to_host` and reading
+//! a sampling launch's results wait for the device (uploads wait only for the forward before
+//! last, staging.rs). A failed launch or copy is an
 //! [`Error::Device`], which the runner treats as the device lost (CUDA errors are sticky).
 
 use std::marker::PhantomData;
@@ -21,6 +22,7 @@ use half::bf16;
 
 use super::gpu::Gpu;
 use super::graphs::{GraphMode, Graphs};
+use super::sample::{DeviceDraw, Draws};
 use super::staging::Staging;
 use crate::backend::{Backend, GraphPhase, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS};
 use crate::error::{Error, Result};
@@ -142,6 +144,9 @@ pub struct CudaBackend {
     pub(super) graphs: Mutex<Graphs>,
     /// Replaying a graph: ops stage their inputs and launch nothing (read on every launch).
     pub(super) replaying: AtomicBool,
+    /// The sampling op's scratch, its results on their way to the host, and the tokens the
+    /// next embedding may fill from (sample.rs).
+    pub(super) draws: Mutex<Draws>,
 }
 
 /// The staging arena's size: a step's metadata, ids and row lists for thousands of tokens; a
@@ -184,6 +189,7 @@ impl CudaBackend {
             staging: Mutex::new(staging),
             graphs: Mutex::new(Graphs::default()),
             replaying: AtomicBool::new(false),
+            draws: Mutex::new(Draws::default()),
         })
     }
 
@@ -227,7 +233,8 @@ impl CudaBackend {
     pub(super) fn stage<T: Copy + DeviceRepr>(&self, values: &[T]) -> Result<u64> {
         let mode = self.graph_mode()?;
         let mut st = self.staging()?;
-        let copy = mode != GraphMode::Replay;
+        // A recording runs nothing, and a replay copies its whole staged range at its end.
+        let copy = matches!(mode, GraphMode::Eager | GraphMode::WarmUp);
         match st.push(self.stream(), values, copy)? {
             Some(ptr) => Ok(ptr),
             None if matches!(mode, GraphMode::Eager | GraphMode::WarmUp) => {
@@ -240,17 +247,19 @@ impl CudaBackend {
         }
     }
 
-    /// Makes the staging arena reusable: waits until the GPU has read what was staged since the
-    /// last reset (at the start of a forward or a graph, never inside one).
+    /// Turns to the other staging arena (at the start of a forward or a graph, never inside
+    /// one), waiting only for the forward before last to finish with it.
     pub(super) fn restart_staging(&self) -> Result<()> {
         let mut st = self.staging()?;
         if st.bump.used > 0 {
-            self.stream()
-                .synchronize()
-                .map_err(dev("synchronize before reusing the staging arena"))?;
-            st.reset();
+            st.restart(self.stream())?;
         }
         Ok(())
+    }
+
+    /// A graph replay's inputs, staged since its begin, to the device before its launch.
+    pub(super) fn upload_staged(&self) -> Result<()> {
+        self.staging()?.upload_staged(self.stream())
     }
 
     /// Refuses a graph whose staged inputs would not fit the arena recorded graphs point at.
@@ -466,6 +475,7 @@ impl Backend for CudaBackend {
     type Vector = CudaSlice<f32>;
     type Buffer = CudaBuffer;
     type KvStore = CudaKvStore;
+    type Drawn = DeviceDraw;
     type StepMeta<'a> = CudaStepMeta<'a>;
 
     fn name(&self) -> &'static str {
@@ -589,7 +599,13 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn embed(&self, table: &CudaMatrix, ids: &[u32], out: &mut CudaBuffer) -> Result<()> {
+    fn embed(
+        &self,
+        table: &CudaMatrix,
+        ids: &[u32],
+        fill: Option<&[i32]>,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.rows) {
             return Err(Error::InvalidRequest(format!(
                 "token id {bad} is outside the vocabulary (size {})",
@@ -601,13 +617,30 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let ids_d = self.stage(ids)?;
+        // A graph always reads a fill array (all -1 without one), so a replay that fills
+        // stages where the recording did.
+        let fill_d = match (fill, self.graph_mode()?) {
+            (Some(f), _) if f.len() != ids.len() => {
+                return Err(Error::Device(format!(
+                    "{} fill entries for {} tokens",
+                    f.len(),
+                    ids.len()
+                )));
+            }
+            (Some(f), _) => self.stage(f)?,
+            (None, GraphMode::Eager) => 0u64,
+            (None, _) => self.stage(&vec![-1i32; ids.len()])?,
+        };
+        let drawn_d = self.drawn_tokens()?;
         let (vocab, width) = (int(table.rows), int(table.cols));
         let mut b = self.stream().launch_builder(self.f("kiln_embed_bf16")?);
         b.arg(&table.data)
             .arg(&ids_d)
             .arg(&mut out.data)
             .arg(&vocab)
-            .arg(&width);
+            .arg(&width)
+            .arg(&fill_d)
+            .arg(&drawn_d);
         // SAFETY: as mlp.cu declares: grid = tokens, `out` holds tokens * width values.
         unsafe { self.launch(&mut b, cfg((ids.len(), 1, 1), 256, 0), "embed launch") }?;
         Ok(())
@@ -1174,8 +1207,12 @@ impl Backend for CudaBackend {
         Ok(host.iter().map(|v| v.to_f32()).collect())
     }
 
-    fn sample(&self, logits: &CudaBuffer, draws: &[RowDraw<'_>]) -> Result<Vec<RowResult>> {
-        self.sample_rows(logits, draws)
+    fn sample_launch(&self, logits: &CudaBuffer, draws: &[RowDraw<'_>]) -> Result<DeviceDraw> {
+        self.launch_draws(logits, draws)
+    }
+
+    fn sample_read(&self, drawn: DeviceDraw) -> Result<Vec<RowResult>> {
+        self.read_draws(drawn)
     }
 
     fn samples_in_place(&self) -> bool {

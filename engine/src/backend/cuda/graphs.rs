@@ -2,8 +2,8 @@
 //! has the backend record one forward into a graph at warm-up; every later step of that bucket
 //! replays it. A replay runs the same forward on the host with launches suppressed: each op
 //! still stages its inputs (step metadata, token ids, row lists) at the offsets the recording
-//! used (staging.rs), so the graph's copy nodes pick up this step's values, and then the graph
-//! is launched whole: one launch instead of hundreds.
+//! used (staging.rs); one copy puts them where the graph's kernels read, and the graph is
+//! launched whole: one launch instead of hundreds.
 //!
 //! What makes a recorded step valid for every later step of its bucket: buffers sized by a
 //! warm-up step first (an allocation inside a graph is refused), block tables padded to one
@@ -145,6 +145,7 @@ impl CudaBackend {
                 let graph = g.recorded.get(&bucket).ok_or_else(|| {
                     Error::Device(format!("no CUDA graph for batch size {bucket}"))
                 })?;
+                self.upload_staged()?;
                 graph.0.launch().map_err(dev("graph launch"))
             }
         }

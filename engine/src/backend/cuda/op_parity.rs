@@ -13,7 +13,7 @@ use super::parity::{OpParity, rel_error, result};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TreeMask};
 use crate::error::Result;
-use crate::sampling::{Penalty, RowDraw, SamplingParams, TokenMask};
+use crate::sampling::{Penalty, RowDraw, RowResult, SamplingParams, TokenMask};
 use crate::weights::{DType, TensorView};
 
 /// bf16 outputs of f32-accumulated arithmetic: a few roundings of 2^-9, relative to the range.
@@ -83,7 +83,7 @@ fn buffer<B: Backend>(b: &B, rows: usize, cols: usize, values: &[f32]) -> Result
     let table = b.matrix(&[view("input", rows, cols, values)?], Precision::Exact)?;
     let mut out = b.buffer(0, 0)?;
     let ids: Vec<u32> = (0..rows as u32).collect();
-    b.embed(&table, &ids, &mut out)?;
+    b.embed(&table, &ids, None, &mut out)?;
     Ok(out)
 }
 
@@ -125,7 +125,7 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
         let t = stored(&mut rng, dtype, rows, cols)?;
         let m = b.matrix(&[t], Precision::Exact)?;
         let mut y = b.buffer(0, 0)?;
-        b.embed(&m, &(0..rows as u32).collect::<Vec<_>>(), &mut y)?;
+        b.embed(&m, &(0..rows as u32).collect::<Vec<_>>(), None, &mut y)?;
         out.push((format!("weights stored as {dtype:?}"), b.to_host(&y)?));
     }
 
@@ -446,6 +446,9 @@ pub fn compare_sampling<G: Backend>(gpu: &G, seed: u64) -> Result<Vec<OpParity>>
             differ as f64 / SAMPLE_ROWS as f64,
             if exact { 0.0 } else { 0.05 },
         ));
+        if case.starts_with("greedy") {
+            out.push(overlapped_launches(gpu, &got_logits, &draws, &got)?);
+        }
         if draws.iter().any(|d| d.params.logprobs) {
             let gap = want
                 .iter()
@@ -467,6 +470,51 @@ pub fn compare_sampling<G: Backend>(gpu: &G, seed: u64) -> Result<Vec<OpParity>>
         }
     }
     Ok(out)
+}
+
+/// Overlap scheduling's use of the sampling op: two launches before either is read (their
+/// results must not mix), then an embedding that fills every token from the latest launch,
+/// against the same embedding of those tokens given on the host. Greedy draws, so `want` (the
+/// same rows drawn by `sample`) is what both launches must return.
+fn overlapped_launches<G: Backend>(
+    b: &G,
+    logits: &G::Buffer,
+    draws: &[RowDraw<'_>],
+    want: &[RowResult],
+) -> Result<OpParity> {
+    let first = b.sample_launch(logits, draws)?;
+    let second = b.sample_launch(logits, &draws[..draws.len() / 2])?;
+    let (first, second) = (b.sample_read(first)?, b.sample_read(second)?);
+    let tokens: Vec<u32> = second.iter().map(|r| r.sampled.token).collect();
+    let mismatched = first
+        .iter()
+        .chain(&second)
+        .zip(want.iter().chain(&want[..want.len() / 2]))
+        .filter(|(g, w)| g.sampled.token != w.sampled.token)
+        .count();
+    let (rows, width) = (8usize, 64usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let table = b.matrix(
+        &[view(
+            "table",
+            SAMPLE_VOCAB,
+            width,
+            &random(&mut rng, SAMPLE_VOCAB * width, 1.0),
+        )?],
+        Precision::Exact,
+    )?;
+    let fill: Vec<i32> = (0..rows as i32).map(|r| r % tokens.len() as i32).collect();
+    let given: Vec<u32> = fill.iter().map(|&r| tokens[r as usize]).collect();
+    let (mut filled, mut plain) = (b.buffer(0, 0)?, b.buffer(0, 0)?);
+    b.embed(&table, &vec![0; rows], Some(&fill), &mut filled)?;
+    b.embed(&table, &given, None, &mut plain)?;
+    let gap = rel_error(&b.to_host(&filled)?, &b.to_host(&plain)?);
+    Ok(result(
+        "sample",
+        format!("two launches in flight, then filled: {mismatched} tokens differ, rows gap"),
+        gap + mismatched as f64,
+        0.0,
+    ))
 }
 
 /// Runs every case on the CPU backend (exact mode) and on `gpu`, comparing outputs.
@@ -510,7 +558,15 @@ mod tests {
     fn the_sampling_cases_agree_with_themselves_and_cover_what_they_name() {
         let cpu = CpuBackend::with_threads(2);
         let results = compare_sampling(&cpu, 7).expect("the sampling cases run");
-        assert_eq!(results.len(), 5);
+        assert_eq!(results.len(), 7);
+        assert_eq!(
+            results
+                .iter()
+                .filter(|r| r.case.contains("two launches"))
+                .count(),
+            2,
+            "each greedy case checks launches read late and a filled embedding"
+        );
         assert!(
             results.iter().all(|r| r.pass && r.error == 0.0),
             "{results:?}"

@@ -230,8 +230,17 @@ fn silu_mul_and_embed(d: &Device, rng: &mut ChaCha8Rng) -> R<Vec<OpParity>> {
 
     let (vocab, dim) = (1000usize, 64usize);
     let table = random_bf16(rng, vocab * dim, 1.0);
-    let ids: Vec<u32> = vec![0, 999, 17, 1000, u32::MAX, 500];
-    let (table_d, ids_d) = (d.up(&table)?, d.up(&ids)?);
+    let given: Vec<u32> = vec![0, 999, 17, 1000, u32::MAX, 500, 3];
+    // Two tokens fill from an earlier draw (rows 1 and 0), the rest are as given.
+    let fill: Vec<i32> = vec![-1, -1, 1, -1, -1, -1, 0];
+    let drawn: Vec<i32> = vec![42, 7];
+    let ids: Vec<u32> = given
+        .iter()
+        .zip(&fill)
+        .map(|(&id, &r)| if r >= 0 { drawn[r as usize] as u32 } else { id })
+        .collect();
+    let (table_d, ids_d) = (d.up(&table)?, d.up(&given)?);
+    let (fill_d, drawn_d) = (d.up(&fill)?, d.up(&drawn)?);
     let mut out_d = d.poisoned(ids.len() * dim)?;
     let (vocab_i, dim_i) = (vocab as i32, dim as i32);
     let f = d.f("kiln_embed_bf16")?;
@@ -240,7 +249,9 @@ fn silu_mul_and_embed(d: &Device, rng: &mut ChaCha8Rng) -> R<Vec<OpParity>> {
         .arg(&ids_d)
         .arg(&mut out_d)
         .arg(&vocab_i)
-        .arg(&dim_i);
+        .arg(&dim_i)
+        .arg(&fill_d)
+        .arg(&drawn_d);
     // SAFETY: as mlp.cu declares.
     unsafe { b.launch(cfg((ids.len() as u32, 1), 64)) }.map_err(err("launch"))?;
     let got = f32s(&d.down(&out_d)?);

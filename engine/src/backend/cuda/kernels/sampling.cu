@@ -140,11 +140,12 @@ __device__ float kept_mass(const float* row, int vocab, u32 cut, float max_v, fl
 }
 
 // The row's token (and, verifying a draft, whether it stood), and its logprob when asked.
-// `out` holds (token, accepted) per row.
+// `out` holds (token, accepted) per row; `drawn` the token alone, at a fixed address.
 extern "C" __global__ void __launch_bounds__(KILN_SAMPLE_THREADS) kiln_sample_draw(
     const float* __restrict__ rows, int vocab, const int* __restrict__ ri,
     const float* __restrict__ rf, const int* __restrict__ pen_tok, const float* __restrict__ saved,
-    const float* __restrict__ lse, int* __restrict__ out, float* __restrict__ out_lp) {
+    const float* __restrict__ lse, int* __restrict__ out, float* __restrict__ out_lp,
+    int* __restrict__ drawn) {
     const long r = blockIdx.x;
     const float* row = rows + r * vocab;
     const int* I = ri + r * KILN_ROW_INTS;
@@ -262,6 +263,8 @@ extern "C" __global__ void __launch_bounds__(KILN_SAMPLE_THREADS) kiln_sample_dr
         const int token = chosen;
         out[2 * r] = token;
         out[2 * r + 1] = stood;
+        // Where the next step's embedding reads it (kiln_embed_bf16's `fill`).
+        drawn[r] = token;
         if (I[RI_TOP_N] >= 0) {
             float raw = row[token];
             for (int e = I[RI_PEN_BEGIN]; e < I[RI_PEN_END]; e++)
