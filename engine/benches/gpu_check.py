@@ -13,8 +13,11 @@
    128256) with SPEED_LAYERS layers of random bf16 weights. kiln generate --device cuda: batch-1
    decode tok/s after a 512-token prompt and prefill tok/s at 512 and 4096 tokens; kiln serve driven
    by kiln bench at C = 1, 8, 64 (512-token prompts, 128 new tokens, 2C + 4 requests): decode steps
-   from CUDA graphs (the default), the same with --disable-cuda-graph (every step eager), and
-   n-gram speculation. `kiln generate` runs one sequence eagerly (no runner, no graphs). Beside decode, the roofline: bytes read per step (weights but the embedding table, plus
+   from CUDA graphs with overlap scheduling (the default), the same with --disable-cuda-graph
+   (every step eager), with --disable-overlap-schedule (the host waits for each step's tokens
+   before planning the next), and n-gram speculation (which plans after each step's tokens).
+   `kiln generate` runs one sequence eagerly (no runner, no graphs). Beside decode, the roofline:
+   bytes read per step (weights but the embedding table, plus
    the KV read at that context) over the read bandwidth measured here (a torch sum over 4 GiB:
    bytes read only). Beside prefill, the bf16 GEMM rate measured here (torch, 8192^3). The peer row:
    transformers generate on the same weights, bf16, SDPA attention, static KV cache, as its docs
@@ -285,6 +288,7 @@ def speed(a, root, results):
             f.write(json.dumps({"prompt": " ".join(f"t{3 + (k * 131 + i * 17) % 128000}" for i in range(512))}) + "\n")
     serving = []
     for label, extra in (("none", []), ("none-eager", ["--disable-cuda-graph"]),
+                         ("none-no-overlap", ["--disable-overlap-schedule"]),
                          ("ngram", ["--speculative-algorithm", "ngram"])):
         try:
             s = Server(a.kiln, d, a.device, extra=extra, log_path=a.out / f"serve-speed-{label}.log")
