@@ -21,6 +21,7 @@ pub mod kv_cache;
 pub mod load;
 pub mod lock;
 pub mod metrics;
+pub mod migrate;
 pub mod model;
 pub mod parallel;
 pub mod runner;

@@ -237,105 +237,6 @@ fn bad_speculation_flags_are_refused_with_the_flag_named() {
     }
 }
 
-/// An EAGLE-3 draft head for SmolLM2 written at test time: random small weights, and a draft
-/// vocabulary of just `tokens`, so every draft proposes one of them. With "," and list-like
-/// prompts the target often agrees, so drafts are both accepted (the draft-extend then covers
-/// several positions) and rejected — what exactness needs exercised.
-fn write_small_vocab_draft(dir: &std::path::Path, tokens: &[u32]) {
-    use safetensors::tensor::{Dtype, TensorView};
-    let (h, inter, heads, kv_heads, hd) = (576usize, 64usize, 9usize, 3usize, 64usize);
-    std::fs::create_dir_all(dir).expect("draft dir");
-    let config = json!({
-        "architectures": ["Eagle3DraftModel"],
-        "speculators_model_type": "eagle3",
-        "draft_vocab_size": tokens.len(),
-        "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
-        "norm_before_residual": false,
-        "transformer_layer_config": {
-            "model_type": "llama", "hidden_size": h, "intermediate_size": inter,
-            "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-            "head_dim": hd, "vocab_size": 49152, "rms_norm_eps": 1e-5,
-            "rope_theta": 100000.0, "max_position_embeddings": 8192
-        }
-    });
-    std::fs::write(dir.join("config.json"), config.to_string()).expect("config");
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut random = |n: usize, scale: f32, offset: f32| -> Vec<u8> {
-        (0..n)
-            .flat_map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                (offset + scale * u).to_le_bytes()
-            })
-            .collect()
-    };
-    let (q, kv) = (heads * hd, kv_heads * hd);
-    let shapes: Vec<(&str, Vec<usize>, f32, f32)> = vec![
-        ("fc.weight", vec![h, 3 * h], 0.05, 0.0),
-        ("layers.0.input_layernorm.weight", vec![h], 0.2, 1.0),
-        ("layers.0.hidden_norm.weight", vec![h], 0.2, 1.0),
-        (
-            "layers.0.self_attn.q_proj.weight",
-            vec![q, 2 * h],
-            0.05,
-            0.0,
-        ),
-        (
-            "layers.0.self_attn.k_proj.weight",
-            vec![kv, 2 * h],
-            0.05,
-            0.0,
-        ),
-        (
-            "layers.0.self_attn.v_proj.weight",
-            vec![kv, 2 * h],
-            0.05,
-            0.0,
-        ),
-        ("layers.0.self_attn.o_proj.weight", vec![h, q], 0.05, 0.0),
-        (
-            "layers.0.post_attention_layernorm.weight",
-            vec![h],
-            0.2,
-            1.0,
-        ),
-        ("layers.0.mlp.gate_proj.weight", vec![inter, h], 0.05, 0.0),
-        ("layers.0.mlp.up_proj.weight", vec![inter, h], 0.05, 0.0),
-        ("layers.0.mlp.down_proj.weight", vec![h, inter], 0.05, 0.0),
-        ("norm.weight", vec![h], 0.2, 1.0),
-        ("lm_head.weight", vec![tokens.len(), h], 0.05, 0.0),
-    ];
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = shapes
-        .into_iter()
-        .map(|(n, s, scale, off)| {
-            let len = s.iter().product();
-            (n.to_string(), s, random(len, scale, off))
-        })
-        .collect();
-    // d2t: target id = draft id + d2t[draft id].
-    let d2t: Vec<u8> = tokens
-        .iter()
-        .enumerate()
-        .flat_map(|(i, &t)| (t as i64 - i as i64).to_le_bytes())
-        .collect();
-    let mut views: Vec<(String, TensorView)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F32, s.clone(), b).expect("view"),
-            )
-        })
-        .collect();
-    views.push((
-        "d2t".into(),
-        TensorView::new(Dtype::I64, vec![tokens.len()], &d2t).expect("view"),
-    ));
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
-}
-
 #[test]
 fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     let p = prompts();
@@ -348,7 +249,7 @@ fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     let comma = tok.encode(",", false).expect("encode");
     assert_eq!(comma.len(), 1, "\",\" is one token");
     let dir = std::env::temp_dir().join(format!("kiln-eagle3-comma-{}", std::process::id()));
-    write_small_vocab_draft(&dir, &comma);
+    common::write_small_vocab_draft(&dir, &comma);
     let draft = dir.to_string_lossy().to_string();
     let fixed = Server::start(&[
         "--speculative-algorithm",
@@ -401,7 +302,7 @@ fn eagle3_tree_speculation_keeps_greedy_output_exact_at_every_batch_size() {
         .map(|t| tok.encode(t, false).expect("encode")[0])
         .collect();
     let dir = std::env::temp_dir().join(format!("kiln-eagle3-tree-{}", std::process::id()));
-    write_small_vocab_draft(&dir, &vocab);
+    common::write_small_vocab_draft(&dir, &vocab);
     let draft = dir.to_string_lossy().to_string();
     let tree = [
         "--speculative-algorithm",

@@ -299,15 +299,20 @@ impl Engine {
             let runner = &mut self.runner;
             (guarded(|| runner.launch(&plan)), ends)
         };
-        let ids = self.ids(work);
+        let mut ids = self.ids(work);
         if let Err(e) = result {
-            if self.in_flight.is_some() {
-                self.collect();
+            // The step before is still out: collected after this step's requests fail (a
+            // collected request that failed is skipped), or failed with them when the device
+            // is gone.
+            if e.backend_lost()
+                && let Some(f) = self.in_flight.take()
+            {
+                ids.extend(f.seqs.iter().map(|s| s.id));
             }
             self.fail_step(&ids, e);
+            self.collect();
             return;
         }
-        self.metrics.steps_launched_ahead.inc();
         // The fed tokens are in the cache once the step runs; a sequence the step draws for
         // gets a placeholder, so the next plan feeds the draw and the scheduler counts it.
         let mut seqs = Vec::with_capacity(work.len());
@@ -332,6 +337,7 @@ impl Engine {
             ends_by_length,
         });
         if let Some(earlier) = earlier {
+            self.metrics.steps_launched_ahead.inc();
             self.collect_step(earlier);
         }
     }

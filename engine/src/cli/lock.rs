@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use kiln::lock::{DriftPolicy, Sweep, hash_file};
+use kiln::lock::{DriftPolicy, Sweep, hash_model};
 
 #[derive(clap::Args)]
 pub struct LockArgs {
@@ -50,7 +50,7 @@ pub fn run(a: LockArgs) -> anyhow::Result<()> {
             &c.choose,
             c.rationale.clone(),
             &c.from.display().to_string(),
-            hash_file,
+            hash_model,
         )
         .map_err(|e| anyhow::anyhow!("{}: {e}", c.from.display()))?;
     lock.lock.drift_policy = c.drift_policy;

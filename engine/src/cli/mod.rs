@@ -7,6 +7,7 @@ mod fetch;
 mod generate;
 #[cfg(feature = "cuda")]
 mod gpu_check;
+mod import;
 mod lock;
 mod serve;
 mod sweep;
@@ -41,6 +42,8 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Write a systemd unit that runs kiln (a lock or a config) for hosts without NixOS.
     SystemdUnit(systemd_unit::SystemdUnitArgs),
+    /// Turn another server's launch (SGLang's) into a kiln config, environment and sweep.
+    Import(import::ImportArgs),
     /// Check every CUDA kernel against its CPU reference on GPU 0 (builds with --features cuda).
     #[cfg(feature = "cuda")]
     GpuCheck(gpu_check::GpuCheckArgs),
@@ -56,6 +59,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Doc(a) => doc::run(a),
         Command::Doctor(a) => doctor::run(a),
         Command::SystemdUnit(a) => systemd_unit::run(a),
+        Command::Import(a) => import::run(a),
         #[cfg(feature = "cuda")]
         Command::GpuCheck(a) => gpu_check::run(a),
     }

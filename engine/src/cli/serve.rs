@@ -51,7 +51,7 @@ pub struct ServeArgs {
     #[serde(skip)]
     source: SourceArgs,
     /// A .gguf file or a Hugging Face model directory [default: SmolLM2-135M-Instruct from the cache].
-    #[arg(long)]
+    #[arg(long, visible_alias = "model-path")]
     model: Option<PathBuf>,
     /// The model id clients send and /v1/models lists [default: the file name without .gguf].
     #[arg(long)]
@@ -103,14 +103,18 @@ pub struct ServeArgs {
     /// Tokens per KV block [default: 16].
     #[arg(long)]
     block_size: Option<usize>,
-    /// Sequences batched in one step, at most [default: 64].
-    #[arg(long)]
+    /// Sequences batched in one step, at most (SGLang's --max-running-requests) [default: 64].
+    #[arg(long, visible_alias = "max-running-requests")]
     max_running: Option<usize>,
-    /// Tokens per step, at most: decode tokens plus chunked-prefill tokens [default: 512].
-    #[arg(long)]
+    /// Tokens per step, at most: decode tokens plus chunked-prefill tokens. SGLang's
+    /// --chunked-prefill-size is accepted for it: there it caps a prefill chunk alone, here the
+    /// whole step (a chunk gets what the step's decode tokens leave) [default: 512].
+    #[arg(long, visible_alias = "chunked-prefill-size")]
     max_step_tokens: Option<usize>,
     /// Longest prompt + completion [default: the model's context, capped by --kv-tokens].
-    #[arg(long)]
+    /// SGLang's --context-length is accepted for it; it never raises the model's own context,
+    /// where SGLang may override it.
+    #[arg(long, visible_alias = "context-length")]
     max_model_len: Option<usize>,
     /// Requests running or waiting before new ones get 429 [default: 256].
     #[arg(long)]
@@ -135,7 +139,7 @@ pub struct ServeArgs {
     /// Tensor parallelism: split the model's heads and MLP across this many ranks (threads on the
     /// CPU, each with its share of --threads); its attention heads, KV heads and intermediate size
     /// must divide (or the KV heads be a divisor) [default: 1].
-    #[arg(long)]
+    #[arg(long, visible_aliases = ["tp", "tp-size"])]
     tensor_parallel_size: Option<usize>,
     /// Seconds to let in-flight requests finish after SIGTERM [default: 30].
     #[arg(long)]
@@ -153,6 +157,12 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     disable_overlap_schedule: bool,
+    /// SGLang's flag: no prefix reuse across requests. kiln has no prefix cache yet, so every
+    /// prompt is prefilled in full either way; accepted so SGLang's command lines run as
+    /// written.
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    disable_radix_cache: bool,
     /// Speculative decoding: none; ngram (prompt lookup: drafts continue the latest earlier
     /// occurrence of the last tokens; no draft model); eagle3 (chain drafts from an EAGLE-3 draft
     /// head, --speculative-draft-model-path) [default: none].

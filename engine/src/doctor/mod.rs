@@ -7,7 +7,7 @@ pub mod allreduce;
 use serde::{Deserialize, Serialize};
 
 use crate::lock::fingerprint::{self, Fingerprint, Probe};
-use crate::lock::{Lock, hash_file};
+use crate::lock::{Lock, hash_model, model_bytes};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -389,18 +389,17 @@ fn models(lock: &Lock, hash: bool) -> Vec<Check> {
     for (what, m) in [("model", Some(&lock.model)), ("draft", lock.draft.as_ref())] {
         let Some(m) = m else { continue };
         let shown = m.path.display();
-        let meta = std::fs::metadata(&m.path);
-        let c = match meta {
+        let c = match model_bytes(&m.path) {
             Err(e) => check(
                 what,
                 Status::Fail,
                 format!("{shown}: {e}"),
                 Some("restore the locked file, or re-lock with the new one"),
             ),
-            Ok(md) if md.len() != m.bytes => check(
+            Ok(bytes) if bytes != m.bytes => check(
                 what,
                 Status::Fail,
-                format!("{shown}: {} bytes, locked {}", md.len(), m.bytes),
+                format!("{shown}: {bytes} bytes, locked {}", m.bytes),
                 Some(
                     "the file was replaced: restore the locked one, or re-run the sweep and re-lock",
                 ),
@@ -411,7 +410,7 @@ fn models(lock: &Lock, hash: bool) -> Vec<Check> {
                 format!("{shown}: size matches (hash not checked)"),
                 None,
             ),
-            Ok(_) => match hash_file(&m.path) {
+            Ok(_) => match hash_model(&m.path) {
                 Ok((sha, _)) if sha == m.sha256 => {
                     check(what, Status::Pass, format!("{shown}: sha256 matches"), None)
                 }

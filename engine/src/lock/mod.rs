@@ -125,6 +125,54 @@ pub fn hash_file(path: &Path) -> std::io::Result<(String, u64)> {
     Ok((format!("{:x}", h.finalize()), total))
 }
 
+/// Every file under `dir`, by path relative to it, in path order.
+fn files_under(dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let p = entry?.path();
+            if std::fs::metadata(&p)?.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// A model's sha256 and size: a file's own, or for a directory (a Hugging Face model, an
+/// EAGLE-3 head) the sha256 of each file's relative path and sha256, one line each in path
+/// order, and the files' total size.
+pub fn hash_model(path: &Path) -> std::io::Result<(String, u64)> {
+    if !std::fs::metadata(path)?.is_dir() {
+        return hash_file(path);
+    }
+    let mut h = Sha256::new();
+    let mut total = 0u64;
+    for file in files_under(path)? {
+        let (sha, bytes) = hash_file(&file)?;
+        let rel = file.strip_prefix(path).unwrap_or(&file);
+        h.update(format!("{sha}  {}\n", rel.display()).as_bytes());
+        total += bytes;
+    }
+    Ok((format!("{:x}", h.finalize()), total))
+}
+
+/// A model's size as [`hash_model`] counts it, without reading it.
+pub fn model_bytes(path: &Path) -> std::io::Result<u64> {
+    let md = std::fs::metadata(path)?;
+    if !md.is_dir() {
+        return Ok(md.len());
+    }
+    files_under(path)?
+        .iter()
+        .map(|f| std::fs::metadata(f).map(|m| m.len()))
+        .sum()
+}
+
 impl Lock {
     pub fn read(path: &Path) -> Result<Lock, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;

@@ -39,11 +39,17 @@
 pub enum SpecMethod {
     /// No speculation.
     #[default]
+    #[value(alias = "NONE")]
+    #[serde(alias = "NONE")]
     None,
     /// Prompt lookup: continue the most recent earlier occurrence of the last n tokens.
+    #[value(alias = "NGRAM")]
+    #[serde(alias = "NGRAM")]
     Ngram,
-    /// EAGLE-3 chain drafts from a draft head (`--speculative-draft-model-path`).
-    #[value(name = "eagle3", alias = "EAGLE3")]
+    /// EAGLE-3 chain drafts from a draft head (`--speculative-draft-model-path`). SGLang's
+    /// `EAGLE` is accepted too: kiln runs EAGLE-3 heads, and refuses another head at load.
+    #[value(name = "eagle3", aliases = ["EAGLE3", "EAGLE", "eagle"])]
+    #[serde(alias = "EAGLE3", alias = "EAGLE", alias = "eagle")]
     Eagle3,
 }
 

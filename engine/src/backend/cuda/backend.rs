@@ -631,7 +631,7 @@ impl Backend for CudaBackend {
             (None, GraphMode::Eager) => 0u64,
             (None, _) => self.stage(&vec![-1i32; ids.len()])?,
         };
-        let drawn_d = self.drawn_tokens()?;
+        let drawn_d = self.drawn_tokens(fill)?;
         let (vocab, width) = (int(table.rows), int(table.cols));
         let mut b = self.stream().launch_builder(self.f("kiln_embed_bf16")?);
         b.arg(&table.data)

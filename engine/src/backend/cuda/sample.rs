@@ -203,6 +203,8 @@ pub struct Draws {
     /// Two slots taking turns, so a launch's results wait unread while the next one runs.
     slots: [Option<ResultSlot>; 2],
     launches: u64,
+    /// Rows of the latest launch (what a fill may read).
+    last_rows: usize,
 }
 
 /// A sampling launch, read with [`crate::backend::Backend::sample_read`].
@@ -245,9 +247,19 @@ impl CudaBackend {
     }
 
     /// The device address of the latest launch's tokens (allocated on first use, so a graph
-    /// recorded before any sampling already points at it).
-    pub(super) fn drawn_tokens(&self) -> Result<u64> {
+    /// recorded before any sampling already points at it). `fill` must read rows that launch
+    /// drew.
+    pub(super) fn drawn_tokens(&self, fill: Option<&[i32]>) -> Result<u64> {
         let mut d = self.draws_state()?;
+        if let Some(&r) = fill.and_then(|f| f.iter().max())
+            && r >= 0
+            && r as usize >= d.last_rows
+        {
+            return Err(Error::Device(format!(
+                "a token fills from row {r} of a draw of {} rows",
+                d.last_rows
+            )));
+        }
         if d.drawn.is_none() {
             self.may_allocate("the drawn-token buffer")?;
             d.drawn = Some(self.zeros::<i32>(DRAWN_ROWS)?);
@@ -281,6 +293,7 @@ impl CudaBackend {
         let mut state = self.draws_state()?;
         let d = &mut *state;
         d.launches += 1;
+        d.last_rows = rows;
         let slot = (d.launches % 2) as usize;
         if rows == 0 {
             return Ok(DeviceDraw {
@@ -415,7 +428,8 @@ impl CudaBackend {
             unsafe { result::memcpy_dtoh_async(dst, src, s.cu_stream()) }
                 .map_err(dev("copy sampled tokens to the host"))?;
         }
-        r.generation += 1;
+        // Unique across slots and reallocations: a stale draw never matches a newer launch.
+        r.generation = d.launches;
         r.copied = Some(s.record_event(None).map_err(dev("record an event"))?);
         Ok(DeviceDraw {
             slot,

@@ -50,6 +50,8 @@ pub async fn model_info(State(state): State<Shared>) -> Response {
             "eos_token_ids": r.model.tokenizer.eos_ids,
             "kv_cache_tokens": r.kv_tokens,
             "max_running_requests": state.opts.max_running,
+            "speculative_algorithm": state.opts.spec.method,
+            "overlap_schedule": state.opts.overlap_schedule,
         }))
         .into_response()
     }))

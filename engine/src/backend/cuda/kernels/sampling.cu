@@ -260,7 +260,8 @@ extern "C" __global__ void __launch_bounds__(KILN_SAMPLE_THREADS) kiln_sample_dr
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        const int token = chosen;
+        // No drawable token (everything masked): token 0, as the host reads it.
+        const int token = chosen < 0 ? 0 : chosen;
         out[2 * r] = token;
         out[2 * r + 1] = stood;
         // Where the next step's embedding reads it (kiln_embed_bf16's `fill`).
