@@ -73,6 +73,14 @@ pub struct Metrics {
     pub preemptions: Counter,
     /// Steps launched before the previous step's tokens reached the host (overlap scheduling).
     pub steps_launched_ahead: Counter,
+    /// Prompt tokens looked up in the prefix cache, and those found there.
+    pub prefix_cache_queried: Counter,
+    pub prefix_cache_hits: Counter,
+    /// Blocks in the prefix cache, and those given up to make room.
+    pub prefix_cache_blocks: Gauge,
+    pub prefix_cache_evictions: Counter,
+    /// Tokens run through prefill chunks (what a prefix cache hit saves).
+    pub prefill_tokens: Counter,
     pub ttft: Histogram,
     pub inter_token: Histogram,
     pub e2e: Histogram,
@@ -115,6 +123,11 @@ impl Metrics {
             kv_blocks_total: Gauge::default(),
             preemptions: Counter::default(),
             steps_launched_ahead: Counter::default(),
+            prefix_cache_queried: Counter::default(),
+            prefix_cache_hits: Counter::default(),
+            prefix_cache_blocks: Gauge::default(),
+            prefix_cache_evictions: Counter::default(),
+            prefill_tokens: Counter::default(),
             ttft: latency(),
             inter_token: latency(),
             e2e: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
@@ -165,6 +178,31 @@ impl Metrics {
             "preemptions",
             "Sequences that lost their KV cache and recompute",
             m.preemptions.clone(),
+        );
+        r.register(
+            "prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            m.prefix_cache_queried.clone(),
+        );
+        r.register(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache (not computed again)",
+            m.prefix_cache_hits.clone(),
+        );
+        r.register(
+            "prefix_cache_blocks",
+            "KV blocks held in the prefix cache",
+            m.prefix_cache_blocks.clone(),
+        );
+        r.register(
+            "prefix_cache_evictions",
+            "Cached KV blocks given up to make room",
+            m.prefix_cache_evictions.clone(),
+        );
+        r.register(
+            "prefill_tokens",
+            "Tokens run through prefill chunks",
+            m.prefill_tokens.clone(),
         );
         r.register(
             "steps_launched_ahead",

@@ -46,6 +46,7 @@ fn engine(overlap: bool, graphs: GraphUse) -> (EngineHandle, Arc<Metrics>) {
             max_step_tokens: 256,
             max_model_len: 2048,
             detok_overlap: true,
+            prefix_cache: true,
         },
         metrics.clone(),
     )
@@ -101,6 +102,7 @@ fn wait(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Got {
     loop {
         match rx.try_recv() {
             Ok(Event::Token { sampled, .. }) => tokens.push(sampled.token),
+            Ok(Event::Cached(_)) => {}
             Ok(Event::Finished {
                 reason,
                 completion_tokens,

@@ -431,6 +431,7 @@ fn a_panicking_step_fails_its_request_and_the_engine_goes_on() {
             max_step_tokens: 256,
             max_model_len: 1024,
             detok_overlap: true,
+            prefix_cache: true,
         },
         metrics,
     )
@@ -453,7 +454,7 @@ fn a_panicking_step_fails_its_request_and_the_engine_goes_on() {
             match rx.try_recv() {
                 Ok(Event::Finished { .. }) => return Ok(()),
                 Ok(Event::Failed(m)) => return Err(m),
-                Ok(Event::Token { .. }) => {}
+                Ok(Event::Token { .. } | Event::Cached(_)) => {}
                 Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {
                     assert!(t0.elapsed().as_secs() < 60, "the request hangs");
                     std::thread::sleep(std::time::Duration::from_millis(10));

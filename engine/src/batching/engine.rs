@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::request::{EngineRequest, Event, RequestParams};
-use super::scheduler::{Scheduler, SchedulerConfig, SeqId, SeqState};
+use super::scheduler::{Admitted, Scheduler, SchedulerConfig, SeqId, SeqState};
 use crate::generate::FinishReason;
 use crate::kv_cache::BlockAllocator;
 use crate::metrics::Metrics;
@@ -43,6 +43,8 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Detokenization on the HTTP side (off: on this thread).
     pub detok_overlap: bool,
+    /// Requests start from their longest cached prompt prefix (`--no-prefix-cache` turns it off).
+    pub prefix_cache: bool,
 }
 
 /// State the HTTP side reads without talking to the engine thread.
@@ -92,6 +94,8 @@ struct Live {
     overlaps: bool,
     /// Index in its tokens of the placeholder for the launched step's draw, if one is out.
     placeholder: Option<usize>,
+    /// Its cached prompt tokens were sent (on its first admission).
+    cached_reported: bool,
 }
 
 /// A step launched and not yet collected (overlap scheduling).
@@ -161,6 +165,7 @@ impl Engine {
             SchedulerConfig {
                 max_running: cfg.max_running,
                 max_step_tokens: cfg.max_step_tokens,
+                prefix_cache: cfg.prefix_cache,
             },
             BlockAllocator::new(n_blocks, block_size),
         );
@@ -225,6 +230,7 @@ impl Engine {
                 generated: 0,
                 overlaps,
                 placeholder: None,
+                cached_reported: false,
             },
         );
         self.sched.add(SeqState::new(id, req.prompt));
@@ -241,6 +247,8 @@ impl Engine {
         self.metrics
             .preemptions
             .inc_by(schedule.preempted.len() as u64);
+        self.report_admissions(&schedule.admitted);
+        self.count_prefill(&schedule.work);
         self.update_gauges();
         if schedule.work.is_empty() {
             if self.in_flight.is_some() {
@@ -254,8 +262,39 @@ impl Engine {
         } else {
             self.execute(&schedule.work);
         }
+        self.sched.register_computed();
         self.update_gauges();
         self.metrics.step_time.observe(t0.elapsed().as_secs_f64());
+    }
+
+    /// Each request learns, on its first admission, how many prompt tokens came from the
+    /// prefix cache (OpenAI's `cached_tokens`); the cache's counters follow every admission.
+    fn report_admissions(&mut self, admitted: &[Admitted]) {
+        for a in admitted {
+            self.metrics.prefix_cache_queried.inc_by(a.queried as u64);
+            self.metrics.prefix_cache_hits.inc_by(a.cached as u64);
+            if let Some(live) = self.live.get_mut(&a.id)
+                && !live.cached_reported
+            {
+                live.cached_reported = true;
+                let _ = live.events.send(Event::Cached(a.cached));
+            }
+        }
+    }
+
+    /// Tokens this step runs through a prefill (every fed token of a sequence that is not
+    /// decoding one): what the prefix cache saves shows here.
+    fn count_prefill(&self, work: &[(usize, usize)]) {
+        let running = self.sched.running();
+        let prefill: usize = work
+            .iter()
+            .filter(|&&(i, n)| {
+                let s = &running[i];
+                !(n == 1 && s.pending() == 1 && s.tokens.len() > s.prompt_len)
+            })
+            .map(|&(_, n)| n)
+            .sum();
+        self.metrics.prefill_tokens.inc_by(prefill as u64);
     }
 
     /// Whether the next step may launch before the one in flight is collected: every live
@@ -537,6 +576,12 @@ impl Engine {
     }
 
     fn update_gauges(&self) {
+        let (cached, evictions) = self.sched.prefix_cache_stats();
+        self.metrics.prefix_cache_blocks.set(cached as i64);
+        let seen = self.metrics.prefix_cache_evictions.get();
+        self.metrics
+            .prefix_cache_evictions
+            .inc_by(evictions.saturating_sub(seen));
         self.metrics.running.set(self.sched.running().len() as i64);
         self.metrics.waiting.set(self.sched.num_waiting() as i64);
         self.metrics

@@ -33,6 +33,9 @@ pub enum Event {
         sampled: Sampled,
         text: Option<String>,
     },
+    /// How many prompt tokens came from the prefix cache (sent once, when the request is first
+    /// scheduled, before its tokens).
+    Cached(usize),
     /// The last event of a request that ran to its end.
     Finished {
         reason: FinishReason,

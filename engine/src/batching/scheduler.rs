@@ -4,10 +4,15 @@
 //! Plain integers only, as in vLLM v1: every sequence tracks how many of its tokens are already in
 //! the KV cache (`computed`) against how many it has (`tokens.len()`); a step schedules
 //! `{sequence: n_tokens}` and prefill and decode fall out without special cases.
+//!
+//! With the prefix cache on, a sequence admitted without a cache of its own first takes the
+//! longest run of cached full blocks its tokens hash to (never its last token, whose logits it
+//! needs), so it costs the step budget only its uncached tokens; after every step the full
+//! blocks sequences computed are registered for the ones that come later.
 
 use std::collections::VecDeque;
 
-use crate::kv_cache::{BlockAllocator, SeqBlocks};
+use crate::kv_cache::{BlockAllocator, SeqBlocks, chain_hash};
 
 pub type SeqId = u64;
 
@@ -23,6 +28,10 @@ pub struct SeqState {
     pub blocks: SeqBlocks,
     /// Times this sequence lost its cache and went back to the waiting queue.
     pub preemptions: u32,
+    /// Chain hashes of its first full blocks (extended as blocks fill; tokens only grow).
+    hashes: Vec<u64>,
+    /// Its blocks registered in the prefix cache so far.
+    registered: usize,
 }
 
 impl SeqState {
@@ -34,7 +43,20 @@ impl SeqState {
             computed: 0,
             blocks: SeqBlocks::default(),
             preemptions: 0,
+            hashes: Vec::new(),
+            registered: 0,
         }
+    }
+
+    /// Hashes of its first `n` full blocks (its tokens must reach that far).
+    fn block_hashes(&mut self, n: usize, block_size: usize) -> &[u64] {
+        while self.hashes.len() < n {
+            let i = self.hashes.len();
+            let prev = self.hashes.last().copied().unwrap_or(0);
+            let h = chain_hash(prev, &self.tokens[i * block_size..(i + 1) * block_size]);
+            self.hashes.push(h);
+        }
+        &self.hashes[..n]
     }
 
     /// Tokens that still need a forward pass.
@@ -49,6 +71,8 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// Tokens in one step, at most (decode tokens plus prefill chunks).
     pub max_step_tokens: usize,
+    /// Admitted sequences start from their longest cached prefix.
+    pub prefix_cache: bool,
 }
 
 /// What one step runs: `(index into running, number of tokens)`, in running order.
@@ -57,6 +81,16 @@ pub struct StepPlan {
     pub work: Vec<(usize, usize)>,
     /// Sequences that lost their cache this step (they wait again and recompute).
     pub preempted: Vec<SeqId>,
+    /// Sequences admitted this step, each with the tokens it took from the prefix cache and
+    /// the tokens it looked up there.
+    pub admitted: Vec<Admitted>,
+}
+
+#[derive(Debug, Default, PartialEq, Eq, Clone, Copy)]
+pub struct Admitted {
+    pub id: SeqId,
+    pub cached: usize,
+    pub queried: usize,
 }
 
 pub struct Scheduler {
@@ -175,15 +209,31 @@ impl Scheduler {
             let Some(front) = self.waiting.front_mut() else {
                 break;
             };
+            let queried = if self.cfg.prefix_cache && front.blocks.table.is_empty() {
+                take_cached_prefix(front, &mut self.alloc)
+            } else {
+                0
+            };
+            let cached = front.computed;
             let n = front.pending().min(budget);
             if front
                 .blocks
                 .reserve(&mut self.alloc, front.computed + n)
                 .is_err()
             {
+                // It waits without holding anything: its prefix is looked up again next time.
+                if queried > 0 {
+                    front.blocks.release(&mut self.alloc);
+                    front.computed = 0;
+                }
                 break;
             }
             if let Some(seq) = self.waiting.pop_front() {
+                plan.admitted.push(Admitted {
+                    id: seq.id,
+                    cached,
+                    queried,
+                });
                 plan.work.push((self.running.len(), n));
                 self.running.push(seq);
                 budget -= n;
@@ -192,15 +242,54 @@ impl Scheduler {
         plan
     }
 
+    /// Registers the full blocks running sequences have computed since the last call (after a
+    /// step, once their tokens are known).
+    pub fn register_computed(&mut self) {
+        if !self.cfg.prefix_cache {
+            return;
+        }
+        let bs = self.alloc.block_size();
+        for seq in &mut self.running {
+            let full = (seq.computed / bs).min(seq.blocks.table.len());
+            if full <= seq.registered {
+                continue;
+            }
+            seq.block_hashes(full, bs);
+            for i in seq.registered..full {
+                self.alloc.register(seq.blocks.table[i], seq.hashes[i]);
+            }
+            seq.registered = full;
+        }
+    }
+
+    /// Blocks in the prefix cache, and how many it gave up for room since the start.
+    pub fn prefix_cache_stats(&self) -> (usize, u64) {
+        (self.alloc.num_cached(), self.alloc.evictions)
+    }
+
     fn preempt(&mut self, index: usize) -> SeqId {
         let mut seq = self.running.remove(index);
         seq.blocks.release(&mut self.alloc);
         seq.computed = 0;
+        seq.registered = 0;
         seq.preemptions += 1;
         let id = seq.id;
         self.waiting.push_front(seq);
         id
     }
+}
+
+/// Gives a sequence with no blocks its longest cached prefix of full blocks, short of its last
+/// token; returns the tokens it looked up.
+fn take_cached_prefix(seq: &mut SeqState, alloc: &mut BlockAllocator) -> usize {
+    let bs = alloc.block_size();
+    let n = seq.tokens.len().saturating_sub(1) / bs;
+    let hits = alloc.take_cached(seq.block_hashes(n, bs));
+    seq.computed = hits.len() * bs;
+    // Already registered: they came from the cache.
+    seq.registered = hits.len();
+    seq.blocks.table = hits;
+    n * bs
 }
 
 #[cfg(test)]
@@ -212,6 +301,7 @@ mod tests {
             SchedulerConfig {
                 max_running,
                 max_step_tokens: budget,
+                prefix_cache: false,
             },
             BlockAllocator::new(blocks, 4),
         )
@@ -294,6 +384,67 @@ mod tests {
             "prompt plus its sampled token, recomputed"
         );
         assert_eq!(s.running()[0].preemptions, 1);
+    }
+
+    #[test]
+    fn a_cached_prefix_costs_only_the_uncached_tokens_and_survives_its_holder() {
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                max_running: 4,
+                max_step_tokens: 100,
+                prefix_cache: true,
+            },
+            BlockAllocator::new(8, 4),
+        );
+        let doc: Vec<u32> = (10..20).collect();
+        s.add(SeqState::new(1, doc.clone()));
+        let p = s.schedule();
+        assert_eq!(
+            p.admitted[0],
+            Admitted {
+                id: 1,
+                cached: 0,
+                queried: 8
+            }
+        );
+        run(&mut s, &p);
+        s.register_computed();
+        assert_eq!(s.prefix_cache_stats().0, 2, "two full blocks of ten tokens");
+        // The same ten tokens and a question: the first eight come from the cache.
+        let mut asked = doc.clone();
+        asked.extend([30, 31, 32]);
+        s.add(SeqState::new(2, asked));
+        let p = s.schedule();
+        assert_eq!(
+            p.admitted[0],
+            Admitted {
+                id: 2,
+                cached: 8,
+                queried: 12
+            }
+        );
+        assert_eq!(
+            p.work,
+            [(0, 1), (1, 5)],
+            "seq 2 prefills only its last five"
+        );
+        assert_eq!(
+            s.running()[1].blocks.table[..2],
+            s.running()[0].blocks.table[..2]
+        );
+        run(&mut s, &p);
+        // The first one finishes; its blocks stay cached for a third.
+        s.remove(1);
+        s.remove(2);
+        assert_eq!(s.blocks_used(), 0);
+        s.add(SeqState::new(3, doc.clone()));
+        let p = s.schedule();
+        assert_eq!(p.admitted[0].cached, 8);
+        // A different first block shares nothing.
+        let mut other = doc;
+        other[0] = 99;
+        s.add(SeqState::new(4, other));
+        assert_eq!(s.schedule().admitted[0].cached, 0);
     }
 
     #[test]

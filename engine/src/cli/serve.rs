@@ -157,12 +157,12 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     disable_overlap_schedule: bool,
-    /// SGLang's flag: no prefix reuse across requests. kiln has no prefix cache yet, so every
-    /// prompt is prefilled in full either way; accepted so SGLang's command lines run as
-    /// written.
-    #[arg(long)]
+    /// Prefill every prompt in full instead of reusing the KV blocks of an earlier prompt's
+    /// identical prefix (SGLang's --disable-radix-cache is accepted for it). The prefix cache
+    /// is also off with EAGLE-3 speculation.
+    #[arg(long, visible_alias = "disable-radix-cache")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    disable_radix_cache: bool,
+    no_prefix_cache: bool,
     /// Speculative decoding: none; ngram (prompt lookup: drafts continue the latest earlier
     /// occurrence of the last tokens; no draft model); eagle3 (chain drafts from an EAGLE-3 draft
     /// head, --speculative-draft-model-path) [default: none].
@@ -418,6 +418,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         shutdown_timeout: Duration::from_secs(given("shutdown-timeout", a.shutdown_timeout)?),
         detok_overlap: !a.no_overlap,
         overlap_schedule: !a.disable_overlap_schedule,
+        prefix_cache: !a.no_prefix_cache,
         graphs: if a.disable_cuda_graph {
             GraphUse::Off
         } else {

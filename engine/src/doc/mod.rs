@@ -96,6 +96,7 @@ fn why(key: &str) -> &'static str {
         }
         "shutdown-timeout" => "seconds in-flight requests may finish after SIGTERM",
         "no-overlap" => "detokenize on the engine thread (off: overlapped with the next step)",
+        "no-prefix-cache" => "prefill every prompt in full (no reuse of cached prefixes)",
         "disable-overlap-schedule" => {
             "plan each step after the previous step's tokens reach the host (GPU)"
         }

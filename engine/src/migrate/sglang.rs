@@ -90,7 +90,7 @@ fn rule(flag: &str) -> Option<(Rule, bool)> {
         "cuda-graph-max-bs" => (To("cuda-graph-max-bs", Int), true),
         "disable-cuda-graph" => (To("disable-cuda-graph", Switch), false),
         "disable-overlap-schedule" => (To("disable-overlap-schedule", Switch), false),
-        "disable-radix-cache" => (To("disable-radix-cache", Switch), false),
+        "disable-radix-cache" => (To("no-prefix-cache", Switch), false),
         "max-running-requests" => (To("max-running", Int), true),
         "context-length" => (To("max-model-len", Int), true),
         "chunked-prefill-size" => (To("max-step-tokens", Int), true),

@@ -24,6 +24,8 @@ pub struct Delta {
     pub tokens: Vec<Sampled>,
     /// `stop` or `length` on the last delta.
     pub finish: Option<&'static str>,
+    /// On the last delta: prompt tokens that came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 pub struct Choice {
@@ -33,6 +35,7 @@ pub struct Choice {
     decoder: IncrementalDecoder,
     stop: StopMatcher,
     pub completion_tokens: usize,
+    cached_tokens: usize,
     done: bool,
 }
 
@@ -81,6 +84,7 @@ pub fn submit(
             decoder: IncrementalDecoder::new(true),
             stop: StopMatcher::new(stops.to_vec()),
             completion_tokens: 0,
+            cached_tokens: 0,
             done: false,
         });
     }
@@ -121,6 +125,7 @@ impl Choice {
                         }
                     }
                 }
+                Some(Event::Cached(n)) => self.cached_tokens = n,
                 Some(Event::Finished { reason, .. }) => {
                     let tok = &self.ready.model.tokenizer;
                     if let Ok(Some(rest)) = self.decoder.flush(tok) {
@@ -161,6 +166,7 @@ impl Choice {
             all.text.push_str(&d.text);
             all.tokens.extend(d.tokens);
             all.finish = d.finish.or(all.finish);
+            all.cached_tokens = all.cached_tokens.max(d.cached_tokens);
         }
         Ok(all)
     }
@@ -171,6 +177,7 @@ impl Choice {
         self.rx.close();
         Delta {
             finish: Some(why),
+            cached_tokens: self.cached_tokens,
             ..delta
         }
     }

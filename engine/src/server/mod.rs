@@ -258,6 +258,10 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         max_step_tokens: opts.max_step_tokens,
         max_model_len,
         detok_overlap: opts.detok_overlap,
+        // An EAGLE-3 draft keeps KV of its own, valid only where it extended: a request that
+        // took a cached prefix could not draft, so the cache is off with EAGLE-3.
+        prefix_cache: opts.prefix_cache
+            && opts.spec.method != crate::speculation::SpecMethod::Eagle3,
     };
     let engine = batching::spawn(runner, cfg, state.metrics.clone())
         .context("starting the engine thread")?;
@@ -306,7 +310,7 @@ async fn warm_up(engine: &batching::EngineHandle, model: &ModelInfo) -> anyhow::
     anyhow::ensure!(engine.submit(req), "the engine thread stopped");
     while let Some(e) = rx.recv().await {
         match e {
-            Event::Token { .. } => {}
+            Event::Token { .. } | Event::Cached(_) => {}
             Event::Finished { .. } => return Ok(()),
             Event::Failed(m) => anyhow::bail!("warm-up failed: {m}"),
         }

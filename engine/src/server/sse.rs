@@ -60,6 +60,7 @@ async fn drive(choices: Vec<Choice>, spec: StreamSpec, tx: mpsc::Sender<Event>) 
         }))
     }));
     let mut completion = 0;
+    let mut cached = 0;
     loop {
         let d = tokio::select! {
             d = merged.next() => match d {
@@ -80,6 +81,7 @@ async fn drive(choices: Vec<Choice>, spec: StreamSpec, tx: mpsc::Sender<Event>) 
         let event = match d {
             Ok(d) => {
                 completion += d.tokens.len();
+                cached += d.cached_tokens;
                 match (spec.chunk)(&d) {
                     Some(v) => send(&v),
                     None => continue,
@@ -97,7 +99,7 @@ async fn drive(choices: Vec<Choice>, spec: StreamSpec, tx: mpsc::Sender<Event>) 
         }
     }
     if let Some(u) = &spec.usage_chunk {
-        let usage = super::routes::usage(spec.prompt_tokens, completion);
+        let usage = super::routes::usage(spec.prompt_tokens, completion, cached);
         if tx.send(send(&u(usage))).await.is_err() {
             spec.metrics.count_request(spec.endpoint, "aborted");
             return;

@@ -194,17 +194,20 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
     }
     let mut out = Vec::with_capacity(choices.len());
     let mut completion_tokens = 0;
+    let mut cached_tokens = 0;
     for mut c in choices {
         let Delta {
             text,
             tokens,
             finish,
+            cached_tokens: cached,
             ..
         } = tokio::select! {
             d = c.collect() => d?,
             _ = state.cut_off() => return Err(ApiError::shutting_down()),
         };
         completion_tokens += tokens.len();
+        cached_tokens += cached;
         let lp = want_logprobs.then(|| json!({"content": chat_logprobs(tok, &tokens)}));
         out.push(json!({
             "index": c.index,
@@ -217,7 +220,7 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
     Ok(Json(json!({
         "id": id, "object": "chat.completion", "created": created, "model": model,
         "system_fingerprint": null,
-        "choices": out, "usage": usage(prompt_tokens * p.n, completion_tokens),
+        "choices": out, "usage": usage(prompt_tokens * p.n, completion_tokens, cached_tokens),
     }))
     .into_response())
 }

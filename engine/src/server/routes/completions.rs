@@ -130,24 +130,27 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
     }
     let mut out = Vec::with_capacity(choices.len());
     let mut completion_tokens = 0;
+    let mut cached_tokens = 0;
     for mut c in choices {
         let Delta {
             text,
             tokens,
             finish,
+            cached_tokens: cached,
             ..
         } = tokio::select! {
             d = c.collect() => d?,
             _ = state.cut_off() => return Err(ApiError::shutting_down()),
         };
         completion_tokens += tokens.len();
+        cached_tokens += cached;
         let lp = want_logprobs.then(|| completion_logprobs(tok, &tokens, 0));
         out.push(json!({"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}));
     }
     state.metrics.count_request(ENDPOINT, "200");
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model,
-        "choices": out, "usage": usage(prompt_tokens, completion_tokens),
+        "choices": out, "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }))
     .into_response())
 }

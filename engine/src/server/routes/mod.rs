@@ -123,11 +123,13 @@ pub fn completion_logprobs(tok: &Tokenizer, tokens: &[Sampled], text_start: usiz
     })
 }
 
-pub fn usage(prompt: usize, completion: usize) -> Value {
+/// OpenAI's usage object; `cached` prompt tokens came from the prefix cache.
+pub fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }
 
