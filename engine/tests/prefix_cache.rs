@@ -166,7 +166,7 @@ fn server_port(server: &Server) -> u16 {
 
 #[test]
 fn a_small_cache_evicts_and_preempts_and_still_answers_exactly() {
-    // 768 KV tokens: under three prompts of about 300, so eight questions at once preempt,
+    // 640 KV tokens: about two prompts of 300, so eight questions at once preempt,
     // and cached blocks are given up for room.
     let model = common::smollm2().to_string_lossy().into_owned();
     let start = |extra: &[&str]| {
@@ -178,7 +178,7 @@ fn a_small_cache_evicts_and_preempts_and_still_answers_exactly() {
             "--served-model-name",
             "m",
             "--kv-tokens",
-            "768",
+            "640",
             "--threads",
             "1",
             "--port",
@@ -189,15 +189,16 @@ fn a_small_cache_evicts_and_preempts_and_still_answers_exactly() {
     };
     let prompts: Vec<String> = (0..8).map(|q| question(10, q)).collect();
     let plain = start(&["--no-prefix-cache"]);
-    // 64 tokens each: eight sequences outgrow the pool even with the document shared.
-    let want = ask_n(&plain, &prompts, true, 64);
+    // The reference answers one at a time (no preemption); 40 tokens each, so eight
+    // sequences at once outgrow the pool even with their document shared.
+    let want = ask_n(&plain, &prompts, false, 40);
     let cache = start(&[]);
     // A different document first, so the questions' document must evict it.
     let other: Vec<String> = (0..2)
         .map(|q| format!("{}{}", "Another text entirely. ".repeat(100), q))
         .collect();
     ask_all(&cache, &other, false);
-    let got = ask_n(&cache, &prompts, true, 64);
+    let got = ask_n(&cache, &prompts, true, 40);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g.0, w.0, "question {i}");
     }
@@ -222,4 +223,46 @@ fn a_small_cache_evicts_and_preempts_and_still_answers_exactly() {
         cache.metric("kiln_prefix_cache_blocks") > 0.0,
         "cached blocks stay"
     );
+}
+
+#[test]
+fn eagle3_drafts_over_a_cached_prefix_and_stays_exact() {
+    let prompts: Vec<String> = (0..4).map(|q| question(12, q)).collect();
+    let plain = Server::start(&["--served-model-name", "m", "--no-prefix-cache"]);
+    let want = ask_all(&plain, &prompts, false);
+    let dir = std::env::temp_dir().join(format!("kiln-prefix-eagle3-{}", std::process::id()));
+    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
+    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    // A head drafting only from the digits the answers are made of.
+    let digits: Vec<u32> = (0..10)
+        .filter_map(|d| tok.encode(&d.to_string(), false).ok())
+        .filter(|t| t.len() == 1)
+        .map(|t| t[0])
+        .collect();
+    common::write_small_vocab_draft(&dir, &digits);
+    let head = dir.to_string_lossy().into_owned();
+    let spec = Server::start(&[
+        "--served-model-name",
+        "m",
+        "--speculative-algorithm",
+        "eagle3",
+        "--speculative-draft-model-path",
+        &head,
+        "--speculative-policy",
+        "fixed",
+    ]);
+    let first = ask(&spec, &prompts[0], 12);
+    assert_eq!(first.0, want[0].0);
+    let drafted_alone = spec.metric("kiln_spec_draft_tokens_total");
+    assert!(drafted_alone > 0.0, "the first request drafts");
+    for (i, p) in prompts.iter().enumerate().skip(1) {
+        let before = spec.metric("kiln_spec_draft_tokens_total");
+        let (text, usage) = ask(&spec, p, 12);
+        assert_eq!(text, want[i].0, "question {i}");
+        assert!(cached(&usage) > 0, "question {i} took the cached document");
+        assert!(
+            spec.metric("kiln_spec_draft_tokens_total") > before,
+            "question {i} drafted over its cached prefix"
+        );
+    }
 }

@@ -262,7 +262,8 @@ impl Engine {
         } else {
             self.execute(&schedule.work);
         }
-        self.sched.register_computed();
+        let runner = &self.runner;
+        self.sched.register_computed(|id| runner.kv_shareable(id));
         self.update_gauges();
         self.metrics.step_time.observe(t0.elapsed().as_secs_f64());
     }
@@ -613,7 +614,7 @@ fn plan<'a>(
                 id: seq.id,
                 tokens: &seq.tokens,
                 computed: seq.computed,
-                cached_prefix: 0,
+                cached_prefix: seq.cached,
                 n_new: n,
                 block_table: &seq.blocks.table,
                 decoding: room.decoding,

@@ -28,6 +28,8 @@ pub struct SeqState {
     pub blocks: SeqBlocks,
     /// Times this sequence lost its cache and went back to the waiting queue.
     pub preemptions: u32,
+    /// Of `computed`, the tokens its latest admission took from the prefix cache.
+    pub cached: usize,
     /// Chain hashes of its first full blocks (extended as blocks fill; tokens only grow).
     hashes: Vec<u64>,
     /// Its blocks registered in the prefix cache so far.
@@ -43,6 +45,7 @@ impl SeqState {
             computed: 0,
             blocks: SeqBlocks::default(),
             preemptions: 0,
+            cached: 0,
             hashes: Vec::new(),
             registered: 0,
         }
@@ -225,6 +228,7 @@ impl Scheduler {
                 if queried > 0 {
                     front.blocks.release(&mut self.alloc);
                     front.computed = 0;
+                    front.cached = 0;
                 }
                 break;
             }
@@ -243,13 +247,16 @@ impl Scheduler {
     }
 
     /// Registers the full blocks running sequences have computed since the last call (after a
-    /// step, once their tokens are known).
-    pub fn register_computed(&mut self) {
+    /// step, once their tokens are known), of the sequences `shareable` allows.
+    pub fn register_computed(&mut self, shareable: impl Fn(SeqId) -> bool) {
         if !self.cfg.prefix_cache {
             return;
         }
         let bs = self.alloc.block_size();
         for seq in &mut self.running {
+            if !shareable(seq.id) {
+                continue;
+            }
             let full = (seq.computed / bs).min(seq.blocks.table.len());
             if full <= seq.registered {
                 continue;
@@ -271,6 +278,7 @@ impl Scheduler {
         let mut seq = self.running.remove(index);
         seq.blocks.release(&mut self.alloc);
         seq.computed = 0;
+        seq.cached = 0;
         seq.registered = 0;
         seq.preemptions += 1;
         let id = seq.id;
@@ -286,6 +294,7 @@ fn take_cached_prefix(seq: &mut SeqState, alloc: &mut BlockAllocator) -> usize {
     let n = seq.tokens.len().saturating_sub(1) / bs;
     let hits = alloc.take_cached(seq.block_hashes(n, bs));
     seq.computed = hits.len() * bs;
+    seq.cached = seq.computed;
     // Already registered: they came from the cache.
     seq.registered = hits.len();
     seq.blocks.table = hits;
@@ -408,7 +417,7 @@ mod tests {
             }
         );
         run(&mut s, &p);
-        s.register_computed();
+        s.register_computed(|_| true);
         assert_eq!(s.prefix_cache_stats().0, 2, "two full blocks of ten tokens");
         // The same ten tokens and a question: the first eight come from the cache.
         let mut asked = doc.clone();

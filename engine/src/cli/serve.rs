@@ -158,8 +158,7 @@ pub struct ServeArgs {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     disable_overlap_schedule: bool,
     /// Prefill every prompt in full instead of reusing the KV blocks of an earlier prompt's
-    /// identical prefix (SGLang's --disable-radix-cache is accepted for it). The prefix cache
-    /// is also off with EAGLE-3 speculation.
+    /// identical prefix (SGLang's --disable-radix-cache is accepted for it).
     #[arg(long, visible_alias = "disable-radix-cache")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     no_prefix_cache: bool,

@@ -108,6 +108,12 @@ pub trait ModelRunner: Send {
     /// whether the runner can go on at all. Nothing may be launched and uncollected.
     fn execute(&mut self, plan: &StepPlan<'_>) -> Result<StepOutput>;
 
+    /// Whether the KV blocks sequence `id` has computed may go to the prefix cache: with an
+    /// EAGLE-3 draft, only while its draft has extended every position (the draft's KV in
+    /// those blocks is valid, so a sequence that takes them may draft).
+    fn kv_shareable(&self, _id: SeqId) -> bool {
+        true
+    }
     /// Whether a sequence with `params` may run in steps launched ahead of their results
     /// (overlap scheduling): every draw is made where the logits are and needs nothing the host
     /// learns from the step before (no penalties, no drafts, no tensor parallelism).

@@ -610,6 +610,10 @@ impl<B: Backend> ModelRunner for Runner<B> {
         })
     }
 
+    fn kv_shareable(&self, id: SeqId) -> bool {
+        !self.drafter.is_eagle() || self.seqs.get(&id).is_some_and(|s| s.draft_whole)
+    }
+
     fn overlaps(&self, params: &SeqParams) -> bool {
         // Penalties count the tokens before each draw on the host, which the step ahead
         // does not have yet; drafting reads them too (n-gram lookups, EAGLE-3's extend).
@@ -743,11 +747,13 @@ impl<B: Backend> Runner<B> {
         let mut confirmed = Vec::new();
         for (w, s) in plan.seqs.iter().enumerate() {
             // Only a sequence whose every position went through the draft may draft: one that
-            // starts now, or one that has been whole since it started; none while parked.
+            // starts now (from nothing, or from cached blocks, which only whole sequences
+            // register: see `kv_shareable`), or one that has been whole since it started; none
+            // while parked.
             let Some(slot) = self.seqs.get_mut(&s.id) else {
                 continue;
             };
-            slot.draft_whole = !parked && (s.computed == 0 || slot.draft_whole);
+            slot.draft_whole = !parked && (s.computed == s.cached_prefix || slot.draft_whole);
             if !slot.draft_whole {
                 continue;
             }

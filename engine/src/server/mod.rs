@@ -258,10 +258,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         max_step_tokens: opts.max_step_tokens,
         max_model_len,
         detok_overlap: opts.detok_overlap,
-        // An EAGLE-3 draft keeps KV of its own, valid only where it extended: a request that
-        // took a cached prefix could not draft, so the cache is off with EAGLE-3.
-        prefix_cache: opts.prefix_cache
-            && opts.spec.method != crate::speculation::SpecMethod::Eagle3,
+        prefix_cache: opts.prefix_cache,
     };
     let engine = batching::spawn(runner, cfg, state.metrics.clone())
         .context("starting the engine thread")?;

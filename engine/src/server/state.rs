@@ -54,7 +54,7 @@ pub struct ServeOptions {
     /// Steps launched ahead of their results where the backend samples (SGLang's overlap
     /// scheduler; `--disable-overlap-schedule`).
     pub overlap_schedule: bool,
-    /// Prompt prefixes reused from the KV cache (`--no-prefix-cache`; off with EAGLE-3).
+    /// Prompt prefixes reused from the KV cache (`--no-prefix-cache`).
     pub prefix_cache: bool,
     /// Decode steps from CUDA graphs (`--cuda-graph-max-bs`, `--disable-cuda-graph`).
     pub graphs: crate::runner::GraphUse,

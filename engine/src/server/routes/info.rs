@@ -52,8 +52,7 @@ pub async fn model_info(State(state): State<Shared>) -> Response {
             "max_running_requests": state.opts.max_running,
             "speculative_algorithm": state.opts.spec.method,
             "overlap_schedule": state.opts.overlap_schedule,
-            "prefix_cache": state.opts.prefix_cache
-                && state.opts.spec.method != crate::speculation::SpecMethod::Eagle3,
+            "prefix_cache": state.opts.prefix_cache,
         }))
         .into_response()
     }))
