@@ -7,9 +7,9 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
+use common::cli::{kiln, ok, s, tempdir};
 use common::server::{Server, free_port};
 
 const REFERENCE: &str = "SGLANG_ENABLE_SPEC_V2=True NCCL_P2P_LEVEL=SYS python -m \
@@ -17,30 +17,6 @@ const REFERENCE: &str = "SGLANG_ENABLE_SPEC_V2=True NCCL_P2P_LEVEL=SYS python -m
     --speculative-draft-model-path /models/kimi-k2-eagle3 --speculative-num-steps 3 \
     --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --mem-fraction-static 0.85 \
     --host 0.0.0.0 --port 30000 --trust-remote-code\n";
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .output()
-        .expect("run kiln")
-}
-
-fn ok(out: &Output, what: &str) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{what} failed: {stderr}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn tempdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kiln-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
-}
-
-fn s(p: &Path) -> String {
-    p.to_string_lossy().into_owned()
-}
 
 /// A small EAGLE-3 head for the default model (drafting only from "," so drafts are made).
 fn draft_head(dir: &Path) -> String {

@@ -5,36 +5,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use common::cli::{kiln, ok, s, tempdir};
 use common::server::{Server, free_port};
 use kiln::lock::Lock;
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .output()
-        .expect("run kiln")
-}
-
-fn ok(out: &Output, what: &str) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{what} failed: {stderr}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn tempdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kiln-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
-}
-
-fn s(p: &Path) -> String {
-    p.to_string_lossy().into_owned()
-}
 
 #[test]
 fn sweep_lock_doc_doctor_and_serve_lock() {

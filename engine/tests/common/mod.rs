@@ -10,6 +10,7 @@ use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::load::LoadedModel;
 use kiln::model::{ForwardBatch, Workspace};
 
+pub mod cli;
 pub mod server;
 
 /// The cached model file; fails with the command that fetches it (these tests need real weights).
