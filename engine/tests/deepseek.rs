@@ -329,8 +329,7 @@ fn completion(s: &common::server::Server, prompt: &[u32]) -> String {
 fn the_server_serves_it_and_eagle3_speculation_keeps_greedy_output_exact() {
     let case = &models()[0];
     let dir = common::tiny_with_tokenizer("deepseek-v3");
-    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
-    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    let tok = common::smollm2_tokenizer();
     // The fixture's prompt first (its greedy text is transformers'), then prompts of mixed lengths.
     let mut prompts = vec![ids(case, "prompt_ids")];
     let mut state = 12345u32;

@@ -20,8 +20,7 @@ const REFERENCE: &str = "SGLANG_ENABLE_SPEC_V2=True NCCL_P2P_LEVEL=SYS python -m
 
 /// A small EAGLE-3 head for the default model (drafting only from "," so drafts are made).
 fn draft_head(dir: &Path) -> String {
-    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
-    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    let tok = common::smollm2_tokenizer();
     let comma = tok.encode(",", false).expect("encode");
     let head = dir.join("eagle3-head");
     common::write_small_vocab_draft(&head, &comma);

@@ -231,8 +231,7 @@ fn eagle3_drafts_over_a_cached_prefix_and_stays_exact() {
     let plain = Server::start(&["--served-model-name", "m", "--no-prefix-cache"]);
     let want = ask_all(&plain, &prompts, false);
     let dir = std::env::temp_dir().join(format!("kiln-prefix-eagle3-{}", std::process::id()));
-    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
-    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    let tok = common::smollm2_tokenizer();
     // A head drafting only from the digits the answers are made of.
     let digits: Vec<u32> = (0..10)
         .filter_map(|d| tok.encode(&d.to_string(), false).ok())

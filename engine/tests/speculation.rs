@@ -244,8 +244,7 @@ fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
         let base = Server::start(&[]);
         p.iter().map(|(t, e)| greedy(&base, t, *e)).collect()
     };
-    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
-    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    let tok = common::smollm2_tokenizer();
     let comma = tok.encode(",", false).expect("encode");
     assert_eq!(comma.len(), 1, "\",\" is one token");
     let dir = std::env::temp_dir().join(format!("kiln-eagle3-comma-{}", std::process::id()));
@@ -295,8 +294,7 @@ fn eagle3_tree_speculation_keeps_greedy_output_exact_at_every_batch_size() {
         let base = Server::start(&[]);
         p.iter().map(|(t, e)| greedy(&base, t, *e)).collect()
     };
-    let g = kiln::weights::gguf::GgufFile::open(common::smollm2()).expect("gguf");
-    let tok = kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer");
+    let tok = common::smollm2_tokenizer();
     let vocab: Vec<u32> = [",", " ", ".", "\n", " the"]
         .iter()
         .map(|t| tok.encode(t, false).expect("encode")[0])

@@ -289,10 +289,7 @@ impl Engine {
         let running = self.sched.running();
         let prefill: usize = work
             .iter()
-            .filter(|&&(i, n)| {
-                let s = &running[i];
-                !(n == 1 && s.pending() == 1 && s.tokens.len() > s.prompt_len)
-            })
+            .filter(|&&(i, n)| !running[i].decodes(n))
             .map(|&(_, n)| n)
             .sum();
         self.metrics.prefill_tokens.inc_by(prefill as u64);
@@ -441,7 +438,7 @@ impl Engine {
         let mut rooms = vec![DraftRoom::default(); work.len()];
         for (room, &(i, n)) in rooms.iter_mut().zip(work) {
             let seq = &self.sched.running()[i];
-            room.decoding = n == 1 && seq.pending() == 1 && seq.tokens.len() > seq.prompt_len;
+            room.decoding = seq.decodes(n);
             let Some(live) = self.live.get(&seq.id).filter(|_| room.decoding) else {
                 continue;
             };
@@ -605,11 +602,10 @@ fn plan<'a>(
         .zip(rooms)
         .map(|(&(i, n), room)| {
             let seq = &running[i];
+            let l = live.get(&seq.id);
             // A draw still out (overlap scheduling) counts as emitted.
-            let generated = live
-                .get(&seq.id)
-                .map_or(0, |l| l.generated + usize::from(l.placeholder.is_some()));
-            let max_tokens = live.get(&seq.id).map_or(0, |l| l.params.max_tokens);
+            let generated = l.map_or(0, |l| l.generated + usize::from(l.placeholder.is_some()));
+            let max_tokens = l.map_or(0, |l| l.params.max_tokens);
             SeqPlan {
                 id: seq.id,
                 tokens: &seq.tokens,
@@ -622,7 +618,7 @@ fn plan<'a>(
                 tokens_left: max_tokens.saturating_sub(generated),
                 context_left: cfg.max_model_len.saturating_sub(seq.tokens.len()),
                 mask: None,
-                pending_last: live.get(&seq.id).is_some_and(|l| l.placeholder.is_some()),
+                pending_last: l.is_some_and(|l| l.placeholder.is_some()),
             }
         })
         .collect();

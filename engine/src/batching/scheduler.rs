@@ -66,6 +66,12 @@ impl SeqState {
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
     }
+
+    /// Whether a step feeding it `n` tokens decodes: one token, its last, after its prompt
+    /// (anything else is a prefill chunk).
+    pub fn decodes(&self, n: usize) -> bool {
+        n == 1 && self.pending() == 1 && self.tokens.len() > self.prompt_len
+    }
 }
 
 #[derive(Clone, Copy, Debug)]

@@ -17,7 +17,7 @@ use crate::kv_cache::{BlockAllocator, SeqBlocks};
 use crate::load::LoadedModel;
 use crate::model::{Eagle3Draft, ForwardBatch, Workspace};
 use crate::parallel::TpGroup;
-use crate::sampling::{RowDraw, RowResult, Sampler};
+use crate::sampling::{RowDraw, Sampler};
 use crate::speculation::Policy;
 use crate::speculation::eagle::Confirmed;
 
@@ -288,16 +288,16 @@ impl<B: Backend> Runner<B> {
             .forward_in_place(&m.backend, &mut self.kv, batch, &mut self.ws)
     }
 
-    /// Every logits row of the step drawn by the backend in one pass, in row order: each
-    /// sampling sequence's rows from its own sampler ([`DrawnRows::draws`]).
-    fn draw_rows(
+    /// The draw of every logits row of the step, in row order, for the backend's sampling op:
+    /// each sampling sequence's rows from its own sampler ([`DrawnRows::draws`]).
+    fn row_draws<'a>(
         &mut self,
-        plan: &StepPlan<'_>,
+        plan: &StepPlan<'a>,
         fed: &[Fed],
         drafts: &Drafts,
         n_rows: usize,
-    ) -> Result<Vec<RowResult>> {
-        let mut draws: Vec<RowDraw<'_>> = Vec::with_capacity(n_rows);
+    ) -> Vec<RowDraw<'a>> {
+        let mut draws: Vec<RowDraw<'a>> = Vec::with_capacity(n_rows);
         for (w, (s, f)) in plan.seqs.iter().zip(fed).enumerate() {
             if f.row.is_none() {
                 continue;
@@ -318,7 +318,7 @@ impl<B: Backend> Runner<B> {
             }
         }
         debug_assert_eq!(draws.len(), n_rows);
-        self.model.backend.sample(self.ws.logits(), &draws)
+        draws
     }
 
     /// Each planned sequence's span of the batch (`masks[w]`: its verification tree's mask;
@@ -528,7 +528,8 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let in_backend = self.samples_in_backend();
         let (logits, graph_bucket) = self.step_forward(&batch, in_backend)?;
         let drawn = if in_backend {
-            self.draw_rows(plan, &fed, &drafts, logit_rows.len())?
+            let draws = self.row_draws(plan, &fed, &drafts, logit_rows.len());
+            self.model.backend.sample(self.ws.logits(), &draws)?
         } else {
             Vec::new()
         };
@@ -642,26 +643,19 @@ impl<B: Backend> ModelRunner for Runner<B> {
             fill: fill.as_deref(),
         };
         let (_, graph_bucket) = self.step_forward(&batch, true)?;
-        let mut draws = Vec::with_capacity(logit_rows.len());
-        let mut seqs = Vec::with_capacity(plan.seqs.len());
-        for (s, f) in plan.seqs.iter().zip(&fed) {
-            if let Some(row) = f.row {
-                match self.seqs.get_mut(&s.id) {
-                    Some(slot) => {
-                        draws.extend(DrawnRows::draws(&mut slot.sampler, &[], None, s.mask))
-                    }
-                    None => draws.push(RowDraw::greedy()),
-                }
-                debug_assert_eq!(draws.len(), row + 1);
-            }
-            seqs.push(LaunchedSeq {
+        let draws = self.row_draws(plan, &fed, &drafts, logit_rows.len());
+        let drawn = self.model.backend.sample_launch(self.ws.logits(), &draws)?;
+        let seqs = plan
+            .seqs
+            .iter()
+            .zip(&fed)
+            .map(|(s, f)| LaunchedSeq {
                 id: s.id,
                 row: f.row,
                 tokens_left: s.tokens_left,
                 context_left: s.context_left,
-            });
-        }
-        let drawn = self.model.backend.sample_launch(self.ws.logits(), &draws)?;
+            })
+            .collect();
         self.launched.push_back(Launched {
             drawn,
             seqs,

@@ -34,6 +34,12 @@ pub fn smollm2() -> PathBuf {
     model_path(&DEFAULT_MODEL)
 }
 
+/// The default model's tokenizer, read from its GGUF file.
+pub fn smollm2_tokenizer() -> kiln::tokenizer::Tokenizer {
+    let g = kiln::weights::gguf::GgufFile::open(smollm2()).expect("gguf");
+    kiln::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer")
+}
+
 pub fn qwen() -> PathBuf {
     model_path(&QWEN_CODER)
 }
