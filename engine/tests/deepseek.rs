@@ -395,3 +395,68 @@ fn the_server_serves_it_and_eagle3_speculation_keeps_greedy_output_exact() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Greedy text and usage of one completion over token ids.
+fn completion_usage(s: &common::server::Server, prompt: &[u32]) -> (String, serde_json::Value) {
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap_or_default();
+    (text.to_string(), v["usage"].clone())
+}
+
+#[test]
+fn mla_whole_and_split_over_2_ranks_reuses_a_cached_prefix_exactly() {
+    // Prompts sharing 48 tokens (three 16-token blocks of latents), each with its own tail.
+    let dir = common::tiny_with_tokenizer("deepseek-v3");
+    let mut state = 777u32;
+    let mut next = || {
+        state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        3 + (state >> 8) % 509
+    };
+    let shared: Vec<u32> = (0..48).map(|_| next()).collect();
+    let prompts: Vec<Vec<u32>> = [5usize, 9, 2, 12]
+        .iter()
+        .map(|&tail| {
+            shared
+                .iter()
+                .copied()
+                .chain((0..tail).map(|_| next()))
+                .collect()
+        })
+        .collect();
+    let plain = serve(&dir, &["--no-prefix-cache"]);
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| completion_usage(&plain, p).0)
+        .collect();
+    let plain_prefill = plain.metric("kiln_prefill_tokens_total");
+    drop(plain);
+    for extra in [&[][..], &["--tp", "2"][..]] {
+        let cache = serve(&dir, extra);
+        let got: Vec<(String, serde_json::Value)> = prompts
+            .iter()
+            .map(|p| completion_usage(&cache, p))
+            .collect();
+        let cached: Vec<u64> = got
+            .iter()
+            .map(|(_, u)| {
+                u["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .expect("cached")
+            })
+            .collect();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(&g.0, w, "prompt {i}, cache on, {extra:?}");
+        }
+        assert_eq!(cached, [0, 48, 48, 48], "{extra:?}");
+        assert_eq!(
+            plain_prefill - cache.metric("kiln_prefill_tokens_total"),
+            144.0,
+            "the cached latents were not computed again, {extra:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
