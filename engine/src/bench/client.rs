@@ -51,7 +51,11 @@ pub fn http_client(target: &Target) -> reqwest::Result<reqwest::Client> {
     reqwest::Client::builder()
         .timeout(target.request_timeout)
         .connect_timeout(Duration::from_secs(10))
-        .pool_max_idle_per_host(1024)
+        // A fresh connection per request: a server may close a kept-alive connection just as
+        // the next request goes out on it (llama-server's HTTP library does, after a few
+        // requests), which would count as a failed request. Connecting to a local server costs
+        // far less than the timings measured, and the same for every server.
+        .pool_max_idle_per_host(0)
         .build()
 }
 
@@ -178,7 +182,13 @@ fn classify(e: &reqwest::Error) -> String {
     } else if e.is_body() || e.is_decode() {
         "response body broken".into()
     } else {
-        "request failed".into()
+        // The innermost cause names what went wrong ("connection closed before message
+        // completed": the server dropped a kept-alive connection), which a kind alone hides.
+        let mut cause: &dyn std::error::Error = e;
+        while let Some(inner) = cause.source() {
+            cause = inner;
+        }
+        format!("request failed: {cause}")
     }
 }
 
