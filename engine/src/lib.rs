@@ -28,6 +28,7 @@ pub mod runner;
 pub mod sampling;
 pub mod server;
 pub mod speculation;
+pub mod structured;
 pub mod tokenizer;
 pub mod weights;
 

@@ -31,7 +31,8 @@ use crate::kv_cache::BlockAllocator;
 use crate::metrics::Metrics;
 use crate::metrics::{BatchLabels, PositionLabels};
 use crate::runner::{ModelInfo, ModelRunner, SeqOutput, SeqParams, SeqPlan, StepOutput, StepPlan};
-use crate::sampling::Sampled;
+use crate::sampling::{Sampled, TokenMask};
+use crate::structured::Guide;
 use crate::tokenizer::IncrementalDecoder;
 
 #[derive(Clone, Copy, Debug)]
@@ -96,6 +97,10 @@ struct Live {
     placeholder: Option<usize>,
     /// Its cached prompt tokens were sent (on its first admission).
     cached_reported: bool,
+    /// Structured outputs: masks what it samples and follows what it emits. A guided request
+    /// neither drafts (one mask covers a step) nor runs overlapped (its next mask needs the
+    /// token before).
+    guide: Option<Guide>,
 }
 
 /// A step launched and not yet collected (overlap scheduling).
@@ -131,6 +136,9 @@ struct DraftRoom {
     /// Draft tokens it may take (their KV slots are reserved; 0: none).
     tokens: usize,
 }
+
+/// Each scheduled sequence's token mask, and the requests whose matcher failed.
+type MaskedStep = (Vec<Option<TokenMask>>, Vec<(SeqId, String)>);
 
 /// Starts the engine thread over `runner`.
 pub fn spawn(
@@ -207,7 +215,7 @@ impl Engine {
         self.status.heartbeat_ms.store(ms, Ordering::Relaxed);
     }
 
-    fn admit(&mut self, req: EngineRequest) {
+    fn admit(&mut self, mut req: EngineRequest) {
         let id = self.next_id;
         self.next_id += 1;
         self.metrics.prompt_tokens.inc_by(req.prompt.len() as u64);
@@ -217,7 +225,8 @@ impl Engine {
             ignore_eos: p.ignore_eos,
             stop_token_ids: p.stop_token_ids.clone(),
         };
-        let overlaps = self.runner.overlaps(&seq_params);
+        let guide = req.params.guide.take();
+        let overlaps = self.runner.overlaps(&seq_params) && guide.is_none();
         self.runner.admit(id, seq_params, &req.prompt);
         self.live.insert(
             id,
@@ -231,6 +240,7 @@ impl Engine {
                 overlaps,
                 placeholder: None,
                 cached_reported: false,
+                guide,
             },
         );
         self.sched.add(SeqState::new(id, req.prompt));
@@ -306,8 +316,9 @@ impl Engine {
     /// The plain step: the runner runs it to its tokens, which are applied before returning.
     fn execute(&mut self, work: &[(usize, usize)]) {
         let rooms = self.reserve_draft_room(work);
+        let (masks, failed) = self.masks(work);
         let result = {
-            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms);
+            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms, &masks);
             let runner = &mut self.runner;
             guarded(|| runner.execute(&plan))
         };
@@ -321,6 +332,9 @@ impl Engine {
                 self.fail_step(&ids, e);
             }
         }
+        for (id, e) in failed {
+            self.finish_with(id, Event::Failed(format!("structured output: {e}")));
+        }
     }
 
     /// Overlap scheduling: launches this step, then collects the one before it (whose tokens
@@ -328,7 +342,7 @@ impl Engine {
     fn launch(&mut self, work: &[(usize, usize)]) {
         let rooms = vec![DraftRoom::default(); work.len()];
         let (result, ends_by_length) = {
-            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms);
+            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms, &[]);
             let ends = plan
                 .seqs
                 .iter()
@@ -426,6 +440,24 @@ impl Engine {
         }
     }
 
+    /// The token mask of each guided sequence that samples this step (`None` elsewhere), and
+    /// the requests whose matcher failed (they fail once the step is applied).
+    fn masks(&mut self, work: &[(usize, usize)]) -> MaskedStep {
+        let mut failed = Vec::new();
+        let masks = work
+            .iter()
+            .map(|&(i, n)| {
+                let seq = &self.sched.running()[i];
+                let guide = self.live.get_mut(&seq.id)?.guide.as_mut()?;
+                if seq.computed + n != seq.tokens.len() {
+                    return None;
+                }
+                guide.mask().map_err(|e| failed.push((seq.id, e))).ok()
+            })
+            .collect();
+        (masks, failed)
+    }
+
     fn ids(&self, work: &[(usize, usize)]) -> Vec<SeqId> {
         work.iter()
             .map(|&(i, _)| self.sched.running()[i].id)
@@ -439,7 +471,11 @@ impl Engine {
         for (room, &(i, n)) in rooms.iter_mut().zip(work) {
             let seq = &self.sched.running()[i];
             room.decoding = seq.decodes(n);
-            let Some(live) = self.live.get(&seq.id).filter(|_| room.decoding) else {
+            let Some(live) = self
+                .live
+                .get(&seq.id)
+                .filter(|l| room.decoding && l.guide.is_none())
+            else {
                 continue;
             };
             // Never draft past the request's last token or the model's context.
@@ -477,12 +513,21 @@ impl Engine {
             // The fed tokens and the accepted drafts are in the cache now.
             seq.computed += n + o.accepted;
             let id = seq.id;
+            let mut finish = o.finish;
             if let Some(live) = self.live.get_mut(&id) {
                 for sampled in o.tokens.iter().cloned() {
+                    let token = sampled.token;
                     emit(seq, live, sampled, &self.metrics, &self.info);
+                    if let Some(g) = live.guide.as_mut() {
+                        // The mask allowed the token, so the matcher takes it; a grammar that
+                        // is complete ends the request as an end-of-sequence token would.
+                        if g.advance(token).is_err() || g.finished() {
+                            finish = finish.or(Some(FinishReason::Eos));
+                        }
+                    }
                 }
             }
-            if let Some(reason) = o.finish {
+            if let Some(reason) = finish {
                 finished.push((id, reason));
             }
             if o.drafted > 0 {
@@ -595,12 +640,14 @@ fn plan<'a>(
     cfg: &EngineConfig,
     work: &[(usize, usize)],
     rooms: &[DraftRoom],
+    masks: &'a [Option<TokenMask>],
 ) -> StepPlan<'a> {
     let running = sched.running();
     let seqs = work
         .iter()
         .zip(rooms)
-        .map(|(&(i, n), room)| {
+        .enumerate()
+        .map(|(k, (&(i, n), room))| {
             let seq = &running[i];
             let l = live.get(&seq.id);
             // A draw still out (overlap scheduling) counts as emitted.
@@ -617,7 +664,7 @@ fn plan<'a>(
                 draft_room: room.tokens,
                 tokens_left: max_tokens.saturating_sub(generated),
                 context_left: cfg.max_model_len.saturating_sub(seq.tokens.len()),
-                mask: None,
+                mask: masks.get(k).and_then(Option::as_ref),
                 pending_last: l.is_some_and(|l| l.placeholder.is_some()),
             }
         })

@@ -7,6 +7,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::generate::FinishReason;
 use crate::sampling::{Sampled, SamplingParams};
+use crate::structured::Guide;
 
 /// Generation settings of one request, already validated.
 #[derive(Clone, Debug)]
@@ -16,6 +17,8 @@ pub struct RequestParams {
     pub ignore_eos: bool,
     /// Extra token ids that end generation (the model's EOS ids end it unless `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
+    /// Structured outputs: the matcher that masks every token this request samples.
+    pub guide: Option<Guide>,
 }
 
 pub struct EngineRequest {

@@ -19,6 +19,26 @@ impl TokenMask {
         TokenMask { bits }
     }
 
+    /// A mask from its 64-bit words (see [`TokenMask::words`]); bits at or past `vocab` are
+    /// cleared.
+    pub fn from_words(mut bits: Vec<u64>, vocab: usize) -> TokenMask {
+        bits.resize(vocab.div_ceil(64), 0);
+        if vocab % 64 != 0
+            && let Some(last) = bits.last_mut()
+        {
+            *last &= (1u64 << (vocab % 64)) - 1;
+        }
+        TokenMask { bits }
+    }
+
+    /// Allows `token` too (ids past the mask are ignored).
+    pub fn allow(&mut self, token: u32) {
+        let t = token as usize;
+        if let Some(w) = self.bits.get_mut(t / 64) {
+            *w |= 1 << (t % 64);
+        }
+    }
+
     /// The mask as 64-bit words, bit `t % 64` of word `t / 64` for token `t` (a device upload).
     pub fn words(&self) -> &[u64] {
         &self.bits

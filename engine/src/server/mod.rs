@@ -7,6 +7,7 @@
 //! timeout), exit 0.
 
 pub mod auth;
+pub mod constraints;
 pub mod drift;
 pub mod error;
 pub mod generation;
@@ -273,6 +274,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         max_queue: opts.max_queue,
         max_n: opts.max_n,
         created: unix_now(),
+        grammars: std::sync::OnceLock::new(),
     };
     let _ = state.ready.set(Arc::new(ready));
     state.metrics.ready.set(1);
@@ -300,6 +302,7 @@ async fn warm_up(engine: &batching::EngineHandle, model: &ModelInfo) -> anyhow::
             sampling: SamplingParams::greedy(),
             ignore_eos: true,
             stop_token_ids: vec![],
+            guide: None,
         },
         events: tx,
         arrival: std::time::Instant::now(),

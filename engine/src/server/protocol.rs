@@ -70,7 +70,7 @@ impl Stop {
 #[derive(Deserialize, Debug, Clone, Default)]
 #[serde(deny_unknown_fields)]
 pub struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_default")]
     pub include_usage: bool,
 }
 
@@ -101,7 +101,7 @@ pub struct CompletionRequest {
     pub max_tokens: Option<i64>,
     /// Number of top alternatives per token (0..=20).
     pub logprobs: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_default")]
     pub echo: bool,
     pub user: Option<String>,
     // Flattened fields cannot be combined with deny_unknown_fields, so the shared ones are listed.
@@ -116,11 +116,21 @@ pub struct CompletionRequest {
     pub stop: Option<Stop>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub n: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_default")]
     pub ignore_eos: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_default")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    // Structured outputs: OpenAI's, then vLLM's and SGLang's names for the same constraints.
+    pub response_format: Option<ResponseFormat>,
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_grammar: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub structured_outputs: Option<StructuredOutputs>,
+    pub regex: Option<String>,
+    pub json_schema: Option<serde_json::Value>,
+    pub ebnf: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -153,7 +163,7 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub max_tokens: Option<i64>,
     pub max_completion_tokens: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_default")]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
     pub user: Option<String>,
@@ -168,14 +178,38 @@ pub struct ChatRequest {
     pub stop: Option<Stop>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub n: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_default")]
     pub ignore_eos: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_default")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    // Structured outputs: OpenAI's, then vLLM's and SGLang's names for the same constraints.
+    pub response_format: Option<ResponseFormat>,
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_grammar: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub structured_outputs: Option<StructuredOutputs>,
+    pub regex: Option<String>,
+    pub json_schema: Option<serde_json::Value>,
+    pub ebnf: Option<String>,
 }
 
 impl CompletionRequest {
+    pub fn constraint_fields(&self) -> ConstraintFields<'_> {
+        ConstraintFields {
+            response_format: self.response_format.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_deref(),
+            guided_grammar: self.guided_grammar.as_deref(),
+            guided_choice: self.guided_choice.as_deref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+            regex: self.regex.as_deref(),
+            json_schema: self.json_schema.as_ref(),
+            ebnf: self.ebnf.as_deref(),
+        }
+    }
+
     pub fn knobs(&self) -> Knobs {
         Knobs {
             temperature: self.temperature,
@@ -197,6 +231,20 @@ impl CompletionRequest {
 }
 
 impl ChatRequest {
+    pub fn constraint_fields(&self) -> ConstraintFields<'_> {
+        ConstraintFields {
+            response_format: self.response_format.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_deref(),
+            guided_grammar: self.guided_grammar.as_deref(),
+            guided_choice: self.guided_choice.as_deref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+            regex: self.regex.as_deref(),
+            json_schema: self.json_schema.as_ref(),
+            ebnf: self.ebnf.as_deref(),
+        }
+    }
+
     pub fn knobs(&self) -> Knobs {
         Knobs {
             temperature: self.temperature,
@@ -223,7 +271,7 @@ pub struct TokenizeRequest {
     pub model: Option<String>,
     pub prompt: Option<String>,
     pub messages: Option<Vec<Message>>,
-    #[serde(default = "yes")]
+    #[serde(default = "yes", deserialize_with = "null_yes")]
     pub add_special_tokens: bool,
 }
 
@@ -236,4 +284,59 @@ fn yes() -> bool {
 pub struct DetokenizeRequest {
     pub model: Option<String>,
     pub tokens: Vec<u32>,
+}
+
+/// OpenAI leaves an optional field at its default when it is `null`; so does kiln.
+fn null_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+fn null_yes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(true))
+}
+
+/// `response_format`: OpenAI's structured outputs.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub schema: Option<serde_json::Value>,
+    pub strict: Option<bool>,
+}
+
+/// vLLM's `structured_outputs` object.
+#[derive(Deserialize, Debug, Clone, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StructuredOutputs {
+    pub json: Option<serde_json::Value>,
+    pub regex: Option<String>,
+    pub grammar: Option<String>,
+    pub choice: Option<Vec<String>>,
+    pub json_object: Option<bool>,
+}
+
+/// The constraint fields of a request, whichever endpoint it came to.
+pub struct ConstraintFields<'a> {
+    pub response_format: Option<&'a ResponseFormat>,
+    pub guided_json: Option<&'a serde_json::Value>,
+    pub guided_regex: Option<&'a str>,
+    pub guided_grammar: Option<&'a str>,
+    pub guided_choice: Option<&'a [String]>,
+    pub structured_outputs: Option<&'a StructuredOutputs>,
+    pub regex: Option<&'a str>,
+    pub json_schema: Option<&'a serde_json::Value>,
+    pub ebnf: Option<&'a str>,
 }

@@ -10,6 +10,7 @@ use crate::backend::Precision;
 use crate::batching::EngineHandle;
 use crate::metrics::Metrics;
 use crate::runner::{Device, KvSize, ModelInfo};
+use crate::structured::Grammars;
 
 /// `kiln serve`'s settings, resolved from flags and the config file.
 #[derive(Clone, Debug)]
@@ -106,6 +107,24 @@ pub struct Ready {
     pub max_n: usize,
     /// Unix seconds when the model became ready (`created` in /v1/models).
     pub created: u64,
+    /// The structured-outputs compiler over this model's vocabulary, built on first use.
+    pub grammars: OnceLock<Result<Arc<Grammars>, String>>,
+}
+
+impl Ready {
+    /// The structured-outputs compiler (its token table is built by the first call).
+    pub fn grammars(&self) -> Result<Arc<Grammars>, String> {
+        self.grammars
+            .get_or_init(|| {
+                let width = self
+                    .model
+                    .config
+                    .vocab_size
+                    .max(self.model.tokenizer.vocab_size());
+                Grammars::new(&self.model.tokenizer, width).map(Arc::new)
+            })
+            .clone()
+    }
 }
 
 pub struct AppState {

@@ -4,6 +4,7 @@
 pub mod chat_template;
 pub mod detokenizer;
 mod gguf_vocab;
+mod token_bytes;
 
 use std::path::Path;
 

@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use super::{body, chat_logprobs, check_model, limits, prepare, ready, request_id, usage};
+use crate::server::constraints;
 use crate::server::error::ApiError;
 use crate::server::generation::{Delta, submit};
 use crate::server::protocol::{ChatRequest, Content, Message, parse_body};
@@ -123,7 +124,8 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
             None
         };
         let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-        let p = plan(&req.knobs(), max_tokens, tops, &lim)?;
+        let mut p = plan(&req.knobs(), max_tokens, tops, &lim)?;
+        p.params.guide = constraints::guide(&ready, &req.constraint_fields())?;
         let ids = chat_prompt(&ready, &req.messages)?;
         Ok((ready, tops, p, ids))
     })

@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use super::{body, check_model, completion_logprobs, limits, prepare, ready, request_id, usage};
+use crate::server::constraints;
 use crate::server::error::ApiError;
 use crate::server::generation::{Choice, Delta, submit};
 use crate::server::protocol::{CompletionRequest, Prompt, parse_body};
@@ -42,7 +43,8 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
         }
         let lim = limits(&ready);
         let tops = top_logprobs("logprobs", req.logprobs)?;
-        let p = plan(&req.knobs(), req.max_tokens, tops, &lim)?;
+        let mut p = plan(&req.knobs(), req.max_tokens, tops, &lim)?;
+        p.params.guide = constraints::guide(&ready, &req.constraint_fields())?;
         let tok = &ready.model.tokenizer;
         let encode = |s: &str| {
             check_text_fits("prompt", tok.min_tokens(s), &lim)?;

@@ -1,0 +1,148 @@
+//! Structured outputs (llguidance over kiln's own token table) through the real server: the
+//! official `openai` client's `parse` with pydantic models, `json_object`, vLLM's regex and choice
+//! fields (`tests/clients/structured_client.py`); a guided request among unguided ones at C = 16
+//! answers as it does alone; `null` for an optional field means its default.
+
+mod common;
+
+use common::server::Server;
+use serde_json::{Value, json};
+
+#[test]
+fn the_token_table_spells_every_token_of_real_text() {
+    let tok = common::smollm2_tokenizer();
+    let table = tok.token_bytes();
+    assert_eq!(table.len(), tok.vocab_size());
+    for text in [
+        "def add(a, b):\n    return a + b\n",
+        "{\"name\": \"Zoë\", \"age\": 7}",
+        "naïve café — 東京 🙂\t\r\n",
+    ] {
+        let ids = tok.encode(text, false).expect("encode");
+        let spelled: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| table[i as usize].clone())
+            .collect();
+        assert_eq!(String::from_utf8_lossy(&spelled), text);
+    }
+    // Special tokens carry the marker, so no grammar spells them by accident.
+    let im_end = tok.encode("<|im_end|>", false).expect("encode");
+    assert_eq!(im_end.len(), 1);
+    assert_eq!(table[im_end[0] as usize][0], 0xFF);
+}
+
+#[test]
+fn the_official_client_parses_pydantic_models_and_regexes() {
+    let s = Server::start(&["--served-model-name", "m"]);
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/clients/structured_client.py"
+    );
+    let python = std::env::var("KILN_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .arg(script)
+        .arg(s.base_url())
+        .output()
+        .unwrap_or_else(|e| panic!("{python}: {e} (install: python3 -m pip install openai)"));
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "client script failed:\n{log}");
+    assert!(log.contains("ALL CHECKS PASSED"), "{log}");
+}
+
+fn chat(s: &Server, body: &Value) -> Value {
+    let (status, v) = s.post_json("/v1/chat/completions", body);
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+#[test]
+fn a_guided_request_in_a_batch_of_16_answers_as_it_does_alone() {
+    let s = Server::start(&["--served-model-name", "m"]);
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": false});
+    let guided = |q: usize| {
+        json!({"model": "m", "max_tokens": 48, "temperature": 0,
+               "messages": [{"role": "user", "content": format!("Name city number {q} as JSON.")}],
+               "response_format": {"type": "json_schema",
+                                   "json_schema": {"name": "city", "schema": schema, "strict": true}}})
+    };
+    let plain = |q: usize| {
+        json!({"model": "m", "max_tokens": 48, "temperature": 0, "ignore_eos": true,
+               "messages": [{"role": "user", "content": format!("Tell me about city {q}.")}]})
+    };
+    let alone: Vec<Value> = (0..4).map(|q| chat(&s, &guided(q))).collect();
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..16)
+            .map(|q| {
+                let body = if q % 4 == 0 { guided(q / 4) } else { plain(q) };
+                let s = &s;
+                scope.spawn(move || chat(s, &body))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client"))
+            .collect()
+    });
+    for (q, want) in alone.iter().enumerate() {
+        let got = &together[q * 4];
+        assert_eq!(
+            got["choices"][0]["message"], want["choices"][0]["message"],
+            "question {q}"
+        );
+        let choice = &want["choices"][0];
+        if choice["finish_reason"] == "stop" {
+            let text = choice["message"]["content"].as_str().expect("content");
+            let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert!(v["city"].is_string() && v["population"].is_i64(), "{v}");
+            assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{v}");
+        }
+    }
+    // Unguided requests in that batch were not masked.
+    assert!(together.iter().enumerate().any(|(i, v)| {
+        i % 4 != 0
+            && !v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with('{')
+    }));
+}
+
+#[test]
+fn bad_constraints_are_400s_naming_their_field_and_null_means_default() {
+    let s = Server::start(&["--served-model-name", "m"]);
+    let ask = json!([{"role": "user", "content": "hi"}]);
+    for (field, value, param) in [
+        ("guided_regex", json!("(unclosed"), "guided_regex"),
+        (
+            "guided_grammar",
+            json!("start: missing_rule"),
+            "guided_grammar",
+        ),
+        ("guided_json", json!({"type": "objekt"}), "guided_json"),
+        ("ebnf", json!("root ::= \"a\""), "ebnf"),
+    ] {
+        let mut body = json!({"messages": ask, "max_tokens": 4});
+        body[field] = value;
+        let (status, v) = s.post_json("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{field}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    // OpenAI's API reads null as "not given".
+    let v = chat(
+        &s,
+        &json!({"messages": ask, "max_tokens": 3, "stream": null, "logprobs": null,
+                "ignore_eos": null, "response_format": null, "stop": null, "n": null}),
+    );
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 3, "echo": null, "stream": null}),
+    );
+    assert_eq!(status, 200, "{v}");
+}
