@@ -83,6 +83,7 @@ fn run(engine: &EngineHandle, asks: &[Ask], together: bool) -> Vec<Got> {
                 sampling: a.sampling,
                 ignore_eos: true,
                 stop_token_ids: a.stop.clone(),
+                guide: None,
             },
             events: tx,
             arrival: Instant::now(),

@@ -445,6 +445,7 @@ fn a_panicking_step_fails_its_request_and_the_engine_goes_on() {
                 sampling: SamplingParams::greedy(),
                 ignore_eos: true,
                 stop_token_ids: vec![],
+                guide: None,
             },
             events: tx,
             arrival: std::time::Instant::now(),

@@ -23,7 +23,7 @@ impl TokenMask {
     /// cleared.
     pub fn from_words(mut bits: Vec<u64>, vocab: usize) -> TokenMask {
         bits.resize(vocab.div_ceil(64), 0);
-        if vocab % 64 != 0
+        if !vocab.is_multiple_of(64)
             && let Some(last) = bits.last_mut()
         {
             *last &= (1u64 << (vocab % 64)) - 1;
