@@ -1,7 +1,9 @@
-//! Structured outputs (llguidance over kiln's own token table) through the real server: the
-//! official `openai` client's `parse` with pydantic models, `json_object`, vLLM's regex and choice
-//! fields (`tests/clients/structured_client.py`); a guided request among unguided ones at C = 16
-//! answers as it does alone; `null` for an optional field means its default.
+//! Structured outputs (llguidance over kiln's own token table) and tool calls through the real
+//! server: the official `openai` client's `parse` with pydantic models, `json_object`, vLLM's
+//! regex and choice fields (`tests/clients/structured_client.py`); tool calls on Qwen2.5-Coder,
+//! forced, streamed, written freely under `auto` (`tests/clients/tools_client.py`); a guided
+//! request among unguided ones at C = 16 answers as it does alone; `null` for an optional field
+//! means its default.
 
 mod common;
 
@@ -31,16 +33,12 @@ fn the_token_table_spells_every_token_of_real_text() {
     assert_eq!(table[im_end[0] as usize][0], 0xFF);
 }
 
-#[test]
-fn the_official_client_parses_pydantic_models_and_regexes() {
-    let s = Server::start(&["--served-model-name", "m"]);
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/clients/structured_client.py"
-    );
+/// Runs a client script from `tests/clients/` against `s`; it must print its last line.
+fn run_client(s: &Server, script: &str) {
+    let script = format!("{}/tests/clients/{script}", env!("CARGO_MANIFEST_DIR"));
     let python = std::env::var("KILN_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = std::process::Command::new(&python)
-        .arg(script)
+        .arg(&script)
         .arg(s.base_url())
         .output()
         .unwrap_or_else(|e| panic!("{python}: {e} (install: python3 -m pip install openai)"));
@@ -51,6 +49,33 @@ fn the_official_client_parses_pydantic_models_and_regexes() {
     );
     assert!(out.status.success(), "client script failed:\n{log}");
     assert!(log.contains("ALL CHECKS PASSED"), "{log}");
+}
+
+#[test]
+fn the_official_client_parses_pydantic_models_and_regexes() {
+    let s = Server::start(&["--served-model-name", "m"]);
+    run_client(&s, "structured_client.py");
+}
+
+#[test]
+fn the_official_client_calls_tools_on_qwen() {
+    let port = common::server::free_port();
+    let model = common::qwen();
+    let (port_text, model) = (port.to_string(), model.to_string_lossy().to_string());
+    let s = Server::start_exactly(
+        port,
+        &[
+            "--port",
+            &port_text,
+            "--model",
+            &model,
+            "--threads",
+            "1",
+            "--kv-tokens",
+            "8192",
+        ],
+    );
+    run_client(&s, "tools_client.py");
 }
 
 fn chat(s: &Server, body: &Value) -> Value {

@@ -80,6 +80,25 @@ fn qwen_chat_template_matches_reference() {
 }
 
 #[test]
+fn qwen_chat_template_renders_tools_and_calls_as_transformers_does() {
+    // Tool definitions (with non-ASCII and HTML-ish text), assistant calls with arguments as
+    // objects, tool turns (tests/reference/make_tools_template_fixture.py).
+    let tok = tokenizer(&common::qwen());
+    let tmpl = tok.chat_template.as_ref().expect("template");
+    let f = common::fixture("qwen2.5-coder-0.5b.tools_template.json");
+    for case in f["cases"].as_array().expect("cases") {
+        let messages: Vec<ChatMessage> =
+            serde_json::from_value(case["messages"].clone()).expect("messages");
+        let tools: Vec<serde_json::Value> =
+            serde_json::from_value(case["tools"].clone()).expect("tools");
+        let got = tmpl
+            .render_with_tools(&messages, Some(&tools), true)
+            .expect("render");
+        assert_eq!(got, case["rendered"].as_str().expect("rendered"));
+    }
+}
+
+#[test]
 fn incremental_decoding_never_splits_a_character() {
     for path in [common::smollm2(), common::qwen()] {
         let tok = tokenizer(&path);

@@ -56,6 +56,15 @@ pub struct ServeArgs {
     /// The model id clients send and /v1/models lists [default: the file name without .gguf].
     #[arg(long)]
     served_model_name: Option<String>,
+    /// The model's tool-call format, by SGLang's names: qwen25 (hermes), llama3, mistral,
+    /// deepseekv3, deepseekv31, kimi_k2 [default: read from the chat template's markers].
+    #[arg(long)]
+    tool_call_parser: Option<String>,
+    /// Moves a reasoning model's thinking into `reasoning_content`, by SGLang's names:
+    /// deepseek-r1, qwen3, qwen3-thinking, kimi (◁think▷), kimi_k2 (Kimi-K2-Thinking's <think>),
+    /// glm45 [default: none; the thinking stays in `content`].
+    #[arg(long)]
+    reasoning_parser: Option<String>,
     /// Address to bind [default: 127.0.0.1; use 0.0.0.0 to listen on every interface].
     #[arg(long)]
     host: Option<String>,
@@ -388,6 +397,18 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
     Ok(ServeOptions {
         model_path,
         served_model_name: a.served_model_name.clone(),
+        reasoning_parser: a
+            .reasoning_parser
+            .as_deref()
+            .map(kiln::server::reasoning::resolve)
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
+        tool_call_parser: match a.tool_call_parser.as_deref() {
+            Some(name) => {
+                kiln::server::tools::resolve(Some(name), None).map_err(anyhow::Error::msg)?
+            }
+            None => None,
+        },
         instance: a
             .instance
             .clone()

@@ -85,6 +85,8 @@ fn rule(flag: &str) -> Option<(Rule, bool)> {
         "speculative-num-draft-tokens" => (To("speculative-num-draft-tokens", Int), true),
         "mem-fraction-static" => (To("mem-fraction-static", Float), true),
         "served-model-name" => (To("served-model-name", Text), true),
+        "tool-call-parser" => (To("tool-call-parser", Text), true),
+        "reasoning-parser" => (To("reasoning-parser", Text), true),
         "host" => (To("host", Text), true),
         "port" => (To("port", Int), true),
         "cuda-graph-max-bs" => (To("cuda-graph-max-bs", Int), true),

@@ -14,6 +14,11 @@ pub fn guide(ready: &Ready, fields: &ConstraintFields<'_>) -> Result<Option<Guid
     let Some((field, c)) = constraint(fields)? else {
         return Ok(None);
     };
+    compile(ready, field, &c).map(Some)
+}
+
+/// `c` compiled into a matcher; its faults name `field`.
+pub fn compile(ready: &Ready, field: &str, c: &Constraint) -> Result<Guide, ApiError> {
     let grammars = ready.grammars().map_err(|e| {
         ApiError::invalid(
             field,
@@ -21,8 +26,7 @@ pub fn guide(ready: &Ready, fields: &ConstraintFields<'_>) -> Result<Option<Guid
         )
     })?;
     grammars
-        .guide(&c)
-        .map(Some)
+        .guide(c)
         .map_err(|e| ApiError::invalid(field, format!("invalid `{field}`: {e}")))
 }
 

@@ -14,11 +14,13 @@ pub mod generation;
 pub mod guard;
 pub mod listen;
 pub mod protocol;
+pub mod reasoning;
 pub mod routes;
 pub mod sse;
 pub mod state;
 pub mod stop;
 pub mod systemd;
+pub mod tools;
 pub mod validate;
 
 use std::sync::Arc;
@@ -265,6 +267,10 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         .context("starting the engine thread")?;
     notifier.status("warming up");
     warm_up(&engine, &info).await?;
+    let tool_parser = opts.tool_call_parser.or_else(|| {
+        let template = info.tokenizer.chat_template.as_ref().map(|t| t.source());
+        tools::resolve(None, template).ok().flatten()
+    });
     let ready = Ready {
         model: info,
         engine,
@@ -275,6 +281,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         max_n: opts.max_n,
         created: unix_now(),
         grammars: std::sync::OnceLock::new(),
+        tool_parser,
     };
     let _ = state.ready.set(Arc::new(ready));
     state.metrics.ready.set(1);

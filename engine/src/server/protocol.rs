@@ -154,6 +154,71 @@ pub struct Message {
     pub role: String,
     pub content: Option<Content>,
     pub name: Option<String>,
+    /// An assistant turn that called tools.
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// A tool turn: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// An assistant turn's reasoning, as kiln returned it (templates may drop or render it).
+    pub reasoning_content: Option<String>,
+}
+
+/// One call in an assistant message of the history.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct MessageToolCall {
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub function: CalledFunction,
+    /// Streaming clients echo the delta's index back.
+    pub index: Option<u32>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct CalledFunction {
+    pub name: String,
+    /// JSON text, as OpenAI sends it (an object is taken too).
+    pub arguments: serde_json::Value,
+}
+
+/// A tool the model may call: `{"type": "function", "function": {...}}`.
+#[derive(Deserialize, serde::Serialize, Debug, Clone)]
+pub struct ToolDef {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionDef,
+}
+
+#[derive(Deserialize, serde::Serialize, Debug, Clone)]
+pub struct FunctionDef {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"`, or one named function.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    Mode(String),
+    Named(NamedToolChoice),
+}
+
+#[derive(Deserialize, Debug, Clone)]
+pub struct NamedToolChoice {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: NamedFunction,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+pub struct NamedFunction {
+    pub name: String,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -163,6 +228,9 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub max_tokens: Option<i64>,
     pub max_completion_tokens: Option<i64>,
+    pub tools: Option<Vec<ToolDef>>,
+    pub tool_choice: Option<ToolChoice>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(default, deserialize_with = "null_default")]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,

@@ -16,7 +16,7 @@ use super::generation::{Choice, Delta};
 use crate::metrics::Metrics;
 
 /// Formats one delta as a chunk (`None`: nothing to send).
-pub type ChunkFn = Box<dyn Fn(&Delta) -> Option<Value> + Send>;
+pub type ChunkFn = Box<dyn FnMut(&Delta) -> Option<Value> + Send>;
 /// Formats the final usage chunk.
 pub type UsageFn = Box<dyn Fn(Value) -> Value + Send>;
 
@@ -45,7 +45,7 @@ pub fn respond(choices: Vec<Choice>, spec: StreamSpec) -> Response {
         .into_response()
 }
 
-async fn drive(choices: Vec<Choice>, spec: StreamSpec, tx: mpsc::Sender<Event>) {
+async fn drive(choices: Vec<Choice>, mut spec: StreamSpec, tx: mpsc::Sender<Event>) {
     let send = |v: &Value| Event::default().data(v.to_string());
     for p in &spec.preamble {
         if tx.send(send(p)).await.is_err() {

@@ -18,6 +18,10 @@ pub struct ServeOptions {
     pub model_path: PathBuf,
     /// The id clients send as `model` (default: the file name without `.gguf`).
     pub served_model_name: Option<String>,
+    /// `--tool-call-parser`, as `tool-parser`'s name (`None`: read from the chat template).
+    pub tool_call_parser: Option<&'static str>,
+    /// `--reasoning-parser`, as the `reasoning-parser` crate's name.
+    pub reasoning_parser: Option<&'static str>,
     pub host: String,
     pub port: u16,
     /// Web origins whose requests are served, with CORS headers (`--allowed-origins`); any
@@ -107,6 +111,9 @@ pub struct Ready {
     pub max_n: usize,
     /// Unix seconds when the model became ready (`created` in /v1/models).
     pub created: u64,
+    /// The tool-call format (`--tool-call-parser` or the chat template's); `None`: requests with
+    /// tools are refused.
+    pub tool_parser: Option<&'static str>,
     /// The structured-outputs compiler over this model's vocabulary, built on first use.
     pub grammars: OnceLock<Result<Arc<Grammars>, String>>,
 }

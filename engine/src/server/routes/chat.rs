@@ -11,9 +11,11 @@ use super::{body, chat_logprobs, check_model, limits, prepare, ready, request_id
 use crate::server::constraints;
 use crate::server::error::ApiError;
 use crate::server::generation::{Delta, submit};
-use crate::server::protocol::{ChatRequest, Content, Message, parse_body};
+use crate::server::protocol::{ChatRequest, Content, Message, MessageToolCall, parse_body};
+use crate::server::reasoning::Reasoning;
 use crate::server::sse::{self, StreamSpec};
 use crate::server::state::{Ready, Shared, unix_now};
+use crate::server::tools::{StreamCalls, Tools, parse_complete};
 use crate::server::validate::{check_text_fits, fit_prompt, plan, top_logprobs};
 use crate::tokenizer::ChatMessage;
 
@@ -83,20 +85,49 @@ pub fn convert_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiErr
                     ));
                 }
             };
-            Ok(ChatMessage::new(role, content))
+            let mut msg = ChatMessage::new(role, content);
+            msg.name = m.name.clone();
+            msg.tool_call_id = m.tool_call_id.clone();
+            if let Some(calls) = &m.tool_calls {
+                if m.role != "assistant" {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}].tool_calls"),
+                        "only assistant messages carry `tool_calls`",
+                    ));
+                }
+                msg.tool_calls = Some(calls.iter().map(template_call).collect());
+            }
+            Ok(msg)
         })
         .collect()
 }
 
+/// A call of the history as chat templates read it: arguments as an object (OpenAI sends a
+/// string of JSON; transformers' templates expect the object), a string that is not JSON kept.
+fn template_call(c: &MessageToolCall) -> Value {
+    let arguments = match &c.function.arguments {
+        Value::String(text) => {
+            serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.clone()))
+        }
+        other => other.clone(),
+    };
+    json!({"id": c.id, "type": c.kind.as_deref().unwrap_or("function"),
+           "function": {"name": c.function.name, "arguments": arguments}})
+}
+
 /// The prompt ids of a conversation, ending where the assistant's reply begins.
-pub fn chat_prompt(ready: &Ready, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
+pub fn chat_prompt(
+    ready: &Ready,
+    messages: &[Message],
+    tools: Option<&[Value]>,
+) -> Result<Vec<u32>, ApiError> {
     let msgs = convert_messages(messages)?;
     let tok = &ready.model.tokenizer;
     let template = tok.chat_template.as_ref().ok_or_else(|| {
         ApiError::bad_request("This model has no chat template; use /v1/completions")
     })?;
     let text = template
-        .render(&msgs, true)
+        .render_with_tools(&msgs, tools, true)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     check_text_fits("messages", tok.min_tokens(&text), &super::limits(ready))?;
     // The template writes BOS itself where the model wants it.
@@ -108,7 +139,7 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
     let bytes = body(raw, state.opts.max_body_bytes)?;
     let shared = state.clone();
     // JSON, the chat template and tokenization: off the async workers.
-    let (ready, tops, p, ids) = prepare(state, move || {
+    let (ready, tops, p, ids, tools) = prepare(state, move || {
         let req: ChatRequest = parse_body(&bytes)?;
         let ready = ready(&shared)?;
         check_model(&ready, req.model.as_deref())?;
@@ -125,9 +156,20 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
         };
         let max_tokens = req.max_completion_tokens.or(req.max_tokens);
         let mut p = plan(&req.knobs(), max_tokens, tops, &lim)?;
+        let tools = Tools::of(&req, ready.tool_parser)?;
         p.params.guide = constraints::guide(&ready, &req.constraint_fields())?;
-        let ids = chat_prompt(&ready, &req.messages)?;
-        Ok((ready, tops, p, ids))
+        if let Some(c) = tools.as_ref().map(Tools::constraint).transpose()?.flatten() {
+            if p.params.guide.is_some() {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "a forced tool call and an output format cannot both constrain one reply",
+                ));
+            }
+            p.params.guide = Some(constraints::compile(&ready, "tool_choice", &c)?);
+        }
+        let defs = tools.as_ref().map(Tools::template_values);
+        let ids = chat_prompt(&ready, &req.messages, defs.as_deref())?;
+        Ok((ready, tops, p, ids, tools.filter(Tools::parses)))
     })
     .await?;
     let lim = limits(&ready);
@@ -157,20 +199,53 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
             .collect();
         let r2 = ready.clone();
         let c2 = chunk_of.clone();
+        let mut calls: Vec<Option<StreamCalls>> = (0..p.n)
+            .map(|_| tools.as_ref().and_then(StreamCalls::new))
+            .collect();
+        let mut thinking: Vec<Option<Reasoning>> = (0..p.n)
+            .map(|_| state.opts.reasoning_parser.and_then(Reasoning::new))
+            .collect();
         let chunk = move |d: &Delta| -> Option<Value> {
-            if d.text.is_empty() && d.finish.is_none() && !want_logprobs {
+            let last = d.finish.is_some();
+            let (reasoning, answer) = match thinking.get_mut(d.index).and_then(Option::as_mut) {
+                Some(r) => r.feed(&d.text, last),
+                None => (String::new(), d.text.clone()),
+            };
+            let (text, tool_deltas, called) = match calls.get_mut(d.index).and_then(Option::as_mut)
+            {
+                Some(c) => {
+                    let (text, deltas) = c.feed(&answer, last);
+                    (text, deltas, c.called())
+                }
+                None => (answer, Vec::new(), false),
+            };
+            if text.is_empty()
+                && reasoning.is_empty()
+                && tool_deltas.is_empty()
+                && !last
+                && !want_logprobs
+            {
                 return None;
             }
-            let delta = if d.text.is_empty() {
-                json!({})
-            } else {
-                json!({"content": d.text})
+            let mut delta = json!({});
+            if !reasoning.is_empty() {
+                delta["reasoning_content"] = json!(reasoning);
+            }
+            if !text.is_empty() {
+                delta["content"] = json!(text);
+            }
+            if !tool_deltas.is_empty() {
+                delta["tool_calls"] = json!(tool_deltas);
+            }
+            let finish = match d.finish {
+                Some("stop") if called => Some("tool_calls"),
+                other => other,
             };
             let lp = want_logprobs
                 .then(|| json!({"content": chat_logprobs(&r2.model.tokenizer, &d.tokens)}));
             Some(c2(
                 json!([{"index": d.index, "delta": delta, "logprobs": lp,
-                            "finish_reason": d.finish}]),
+                            "finish_reason": finish}]),
             ))
         };
         let usage_chunk = p.include_usage.then(|| {
@@ -211,9 +286,27 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
         completion_tokens += tokens.len();
         cached_tokens += cached;
         let lp = want_logprobs.then(|| json!({"content": chat_logprobs(tok, &tokens)}));
+        let (reasoning, text) = match state.opts.reasoning_parser.and_then(Reasoning::new) {
+            Some(mut r) => r.split(&text),
+            None => (None, text),
+        };
+        let (mut message, finish) = match tools.as_ref().map(|t| parse_complete(t, &text)) {
+            Some((content, calls)) if !calls.is_empty() => (
+                json!({"role": "assistant", "content": content, "tool_calls": calls}),
+                if finish == Some("stop") {
+                    Some("tool_calls")
+                } else {
+                    finish
+                },
+            ),
+            _ => (json!({"role": "assistant", "content": text}), finish),
+        };
+        if let Some(r) = reasoning {
+            message["reasoning_content"] = json!(r);
+        }
         out.push(json!({
             "index": c.index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": lp,
             "finish_reason": finish,
         }));

@@ -53,6 +53,9 @@ pub async fn model_info(State(state): State<Shared>) -> Response {
             "speculative_algorithm": state.opts.spec.method,
             "overlap_schedule": state.opts.overlap_schedule,
             "prefix_cache": state.opts.prefix_cache,
+            // `tool-parser`'s name of the tool-call format (null: requests with tools are 400s).
+            "tool_call_parser": r.tool_parser,
+            "reasoning_parser": state.opts.reasoning_parser,
         }))
         .into_response()
     }))
@@ -77,7 +80,7 @@ fn tokenize_body(state: &Shared, bytes: &[u8]) -> Result<Response, ApiError> {
             .tokenizer
             .encode(p, req.add_special_tokens)
             .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
-        (None, Some(m)) => chat_prompt(&r, m)?,
+        (None, Some(m)) => chat_prompt(&r, m, None)?,
         _ => {
             return Err(ApiError::bad_request(
                 "send exactly one of `prompt` and `messages`",

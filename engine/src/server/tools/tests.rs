@@ -1,0 +1,256 @@
+//! Each family's real output format, as the peers document and test it (SGLang's
+//! `python/sglang/srt/function_call/*_detector.py` docstrings and
+//! `test/srt/test_function_call_parser.py`; the models' own chat templates for hermes / Qwen2.5
+//! and Kimi-K2), parsed whole and streamed in small pieces.
+
+use serde_json::{Value, json};
+
+use super::*;
+use crate::server::protocol::{FunctionDef, ToolDef};
+
+fn tools(parser: &'static str) -> Tools {
+    Tools {
+        defs: vec![ToolDef {
+            kind: "function".into(),
+            function: FunctionDef {
+                name: "get_weather".into(),
+                description: Some("Current weather".into()),
+                parameters: Some(json!({"type": "object",
+                    "properties": {"city": {"type": "string"}}, "required": ["city"]})),
+                strict: None,
+            },
+        }],
+        choice: Choice::Auto,
+        parallel: true,
+        parser,
+    }
+}
+
+/// (parser, the model's text) for every family kiln names.
+fn samples() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "qwen",
+            "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+                .into(),
+        ),
+        (
+            "llama",
+            "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}".into(),
+        ),
+        (
+            "mistral",
+            "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]".into(),
+        ),
+        (
+            "deepseek",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+                .into(),
+        ),
+        (
+            "deepseek31",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+                .into(),
+        ),
+        (
+            "kimik2",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|>"
+                .into(),
+        ),
+    ]
+}
+
+fn arguments(call: &Value) -> Value {
+    let text = call["function"]["arguments"]
+        .as_str()
+        .expect("arguments string");
+    serde_json::from_str(text).expect("arguments JSON")
+}
+
+#[test]
+fn every_family_parses_whole_into_openai_calls() {
+    for (parser, text) in samples() {
+        let (content, calls) = parse_complete(&tools(parser), &text);
+        assert_eq!(calls.len(), 1, "{parser}: {text}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather", "{parser}");
+        assert_eq!(arguments(&calls[0]), json!({"city": "Paris"}), "{parser}");
+        assert_eq!(calls[0]["type"], "function");
+        if parser == "kimik2" {
+            assert_eq!(calls[0]["id"], "functions.get_weather:0");
+        } else {
+            assert!(
+                calls[0]["id"]
+                    .as_str()
+                    .is_some_and(|id| id.starts_with("call_"))
+            );
+        }
+        if parser == "qwen" {
+            assert_eq!(content.as_deref(), Some("Let me check."));
+        }
+    }
+}
+
+/// The text in the pieces a server streams: each marker whole (a model writes it as one special
+/// token), other text three characters at a time.
+fn pieces_as_streamed(text: &str) -> Vec<String> {
+    let mut pieces = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let marker = ["<｜", "<|", "[TOOL_CALLS]"]
+            .iter()
+            .filter(|open| rest.starts_with(**open))
+            .find_map(|open| match *open {
+                "[TOOL_CALLS]" => Some(open.len()),
+                _ => {
+                    let close = if *open == "<|" { "|>" } else { "｜>" };
+                    rest[open.len()..]
+                        .find(close)
+                        .map(|e| open.len() + e + close.len())
+                }
+            });
+        let take = marker.unwrap_or_else(|| {
+            let next_marker = ["<｜", "<|", "[TOOL_CALLS]"]
+                .iter()
+                .filter_map(|m| rest[1..].find(m).map(|i| i + 1))
+                .min()
+                .unwrap_or(rest.len());
+            rest.char_indices()
+                .map(|(i, _)| i)
+                .chain([rest.len()])
+                .nth(3)
+                .unwrap_or(rest.len())
+                .min(next_marker)
+        });
+        pieces.push(rest[..take].to_string());
+        rest = &rest[take..];
+    }
+    pieces
+}
+
+#[test]
+fn every_family_streams_a_call_that_reassembles() {
+    for (parser, text) in samples() {
+        let mut s = StreamCalls::new(&tools(parser)).expect("parser");
+        let mut content = String::new();
+        let mut name = None;
+        let mut args = String::new();
+        let pieces = pieces_as_streamed(&text);
+        for (i, piece) in pieces.iter().enumerate() {
+            let (c, deltas) = s.feed(piece, i + 1 == pieces.len());
+            content.push_str(&c);
+            for d in deltas {
+                assert_eq!(d["index"], 0, "{parser}");
+                if let Some(n) = d["function"]["name"].as_str() {
+                    assert!(name.is_none(), "{parser}: the name comes once");
+                    assert!(d["id"].is_string(), "{parser}: the id comes with the name");
+                    name = Some(n.to_string());
+                }
+                args.push_str(d["function"]["arguments"].as_str().unwrap_or(""));
+            }
+        }
+        assert_eq!(
+            name.as_deref(),
+            Some("get_weather"),
+            "{parser}: {content:?}"
+        );
+        let args: Value =
+            serde_json::from_str(&args).unwrap_or_else(|e| panic!("{parser}: {args}: {e}"));
+        assert_eq!(args, json!({"city": "Paris"}), "{parser}");
+        assert!(s.called());
+        assert!(!content.contains("get_weather"), "{parser}: {content:?}");
+    }
+}
+
+#[test]
+fn text_without_a_call_stays_content() {
+    for (parser, _) in samples() {
+        let text = "No tool needed: it is sunny.";
+        let (content, calls) = parse_complete(&tools(parser), text);
+        assert!(calls.is_empty(), "{parser}");
+        assert_eq!(content.as_deref(), Some(text), "{parser}");
+    }
+    // A broken call is content too, never an error.
+    let broken =
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \n</tool_call>";
+    let (content, calls) = parse_complete(&tools("qwen"), broken);
+    assert!(calls.is_empty());
+    assert!(content.is_some());
+}
+
+#[test]
+fn formats_resolve_by_flag_or_template_markers() {
+    assert_eq!(resolve(Some("hermes"), None), Ok(Some("qwen")));
+    assert_eq!(resolve(Some("kimi_k2"), None), Ok(Some("kimik2")));
+    assert!(resolve(Some("nope"), None).is_err_and(|e| e.contains("qwen25")));
+    assert_eq!(resolve(None, Some("{{ '<tool_call>' }}")), Ok(Some("qwen")));
+    assert_eq!(
+        resolve(None, Some("<|tool_calls_section_begin|>")),
+        Ok(Some("kimik2"))
+    );
+    assert_eq!(resolve(None, Some("plain chat")), Ok(None));
+}
+
+#[test]
+fn a_forced_call_is_a_grammar_over_the_tools_schemas() {
+    let mut t = tools("qwen");
+    t.choice = Choice::Named("get_weather".into());
+    let Some(Constraint::Lark(g)) = t.constraint().expect("constraint") else {
+        panic!("no grammar");
+    };
+    assert!(
+        g.contains("<tool_call>") && g.contains("\"const\":\"get_weather\""),
+        "{g}"
+    );
+    t.parser = "kimik2";
+    assert!(
+        t.constraint().is_err(),
+        "only the hermes format is forced so far"
+    );
+    t.choice = Choice::Auto;
+    assert_eq!(t.constraint().expect("auto"), None);
+}
+
+#[test]
+fn a_bare_qwen_call_is_a_call_whole_and_streamed() {
+    // Qwen2.5-Coder-0.5B's own greedy replies to weather questions (kiln and transformers agree
+    // token for token on this model), bare and fenced.
+    let bare =
+        "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}";
+    let fenced = "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\n    \"city\": \"Tokyo\"\n  }\n}\n```";
+    for text in [bare, fenced] {
+        let (content, calls) = parse_complete(&tools("qwen"), text);
+        assert_eq!(content, None, "{text}");
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        let mut s = StreamCalls::new(&tools("qwen")).expect("parser");
+        let pieces = pieces_as_streamed(text);
+        let mut got = Vec::new();
+        let mut streamed = String::new();
+        for (i, p) in pieces.iter().enumerate() {
+            let (c, d) = s.feed(p, i + 1 == pieces.len());
+            streamed.push_str(&c);
+            got.extend(d);
+        }
+        assert!(streamed.is_empty(), "{streamed:?}");
+        assert_eq!(got[0]["function"]["name"], "get_weather");
+        assert_eq!(arguments(&got[1]), arguments(&calls[0]));
+    }
+    // JSON that names no requested tool, or text around it, is content.
+    for text in [
+        "{\"name\": \"Ada\", \"arguments\": {}}",
+        "Here: {\"name\": \"get_weather\", \"arguments\": {}}",
+    ] {
+        let (content, calls) = parse_complete(&tools("qwen"), text);
+        assert!(calls.is_empty(), "{text}");
+        assert_eq!(content.as_deref(), Some(text));
+        let mut s = StreamCalls::new(&tools("qwen")).expect("parser");
+        let pieces = pieces_as_streamed(text);
+        let mut streamed = String::new();
+        for (i, p) in pieces.iter().enumerate() {
+            let (c, d) = s.feed(p, i + 1 == pieces.len());
+            assert!(d.is_empty());
+            streamed.push_str(&c);
+        }
+        assert_eq!(streamed, text);
+    }
+}
