@@ -171,3 +171,101 @@ fn bad_constraints_are_400s_naming_their_field_and_null_means_default() {
     );
     assert_eq!(status, 200, "{v}");
 }
+
+#[test]
+fn json_schema_requests_at_c16_with_ngram_speculation_equal_plain_decoding() {
+    // Guided sequences take no drafts (one mask covers a step); the unguided half of the batch
+    // drafts, so the step mixes both, and every reply must equal the server without speculation.
+    let schema = json!({"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 40}, "tags": {"type": "array",
+        "items": {"type": "string", "maxLength": 12}, "maxItems": 4}},
+        "required": ["title", "tags"], "additionalProperties": false});
+    let body = |q: usize| {
+        let mut b = json!({"model": "m", "max_tokens": 40, "temperature": 0,
+            "messages": [{"role": "user", "content":
+                format!("Write a title and tags for note {q}: repeat repeat repeat the words.")}]});
+        if q.is_multiple_of(2) {
+            b["response_format"] =
+                json!({"type": "json_schema", "json_schema": {"name": "note", "schema": schema}});
+        } else {
+            b["ignore_eos"] = json!(true);
+        }
+        b
+    };
+    let run = |s: &Server| -> Vec<Value> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..16)
+                .map(|q| {
+                    let b = body(q);
+                    scope.spawn(move || chat(s, &b)["choices"][0]["message"].clone())
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("client"))
+                .collect()
+        })
+    };
+    let plain = Server::start(&["--served-model-name", "m"]);
+    let want = run(&plain);
+    drop(plain);
+    let spec = Server::start(&[
+        "--served-model-name",
+        "m",
+        "--speculative-algorithm",
+        "ngram",
+        "--speculative-policy",
+        "fixed",
+    ]);
+    let got = run(&spec);
+    assert_eq!(got, want);
+    assert!(
+        spec.metric("kiln_spec_draft_tokens_total") > 0.0,
+        "the unguided half drafted"
+    );
+}
+
+#[test]
+fn a_reasoning_parser_moves_thinking_into_reasoning_content() {
+    // DeepSeek-R1's parser reads a reply with no `</think>` as all reasoning (R1's template opens
+    // the think block itself): SmolLM2's plain reply must land, whole and streamed, in
+    // `reasoning_content`, equal to the plain server's `content`.
+    let ask = json!({"model": "m", "max_tokens": 24, "temperature": 0, "ignore_eos": true,
+                     "messages": [{"role": "user", "content": "Why is the sky blue?"}]});
+    let plain = Server::start(&["--served-model-name", "m"]);
+    let want = chat(&plain, &ask)["choices"][0]["message"]["content"].clone();
+    drop(plain);
+    let s = Server::start(&[
+        "--served-model-name",
+        "m",
+        "--reasoning-parser",
+        "deepseek-r1",
+    ]);
+    let got = chat(&s, &ask);
+    let msg = &got["choices"][0]["message"];
+    assert_eq!(msg["reasoning_content"], want, "{got}");
+    assert_eq!(msg["content"], "", "{got}");
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let (status, body) = s.request(
+        "POST",
+        "/v1/chat/completions",
+        &["Content-Type: application/json"],
+        streamed.to_string().as_bytes(),
+    );
+    assert_eq!(status, 200);
+    let mut reasoning = String::new();
+    for data in common::server::sse_data(&body) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&data).expect("chunk");
+        let delta = &v["choices"][0]["delta"];
+        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
+        assert!(delta["content"].as_str().unwrap_or("").is_empty(), "{v}");
+    }
+    assert_eq!(Value::String(reasoning), want);
+    let (_, info) = s.request("GET", "/model_info", &[], b"");
+    let info: Value = serde_json::from_str(&info).expect("model_info");
+    assert_eq!(info["reasoning_parser"], "deepseek_r1");
+}
