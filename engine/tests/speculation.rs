@@ -76,14 +76,14 @@ fn concurrently(s: &Server, prompts: &[(String, bool)], c: usize) -> Vec<(String
 }
 
 #[test]
-fn ngram_speculation_keeps_greedy_output_exact_at_every_batch_size() {
+fn ngram_speculation_keeps_greedy_output_exact_alone_and_at_c16() {
     let p = prompts();
     let want: Vec<(String, u64)> = {
         let base = Server::start(&[]);
         p.iter().map(|(t, e)| greedy(&base, t, *e)).collect()
     };
     let fixed = Server::start(&NGRAM_FIXED_S4);
-    for c in [1, 4, 16] {
+    for c in [1, 16] {
         let n = if c == 1 { 6 } else { p.len() };
         let got = concurrently(&fixed, &p[..n], c);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -238,7 +238,7 @@ fn bad_speculation_flags_are_refused_with_the_flag_named() {
 }
 
 #[test]
-fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
+fn eagle3_chain_speculation_keeps_greedy_output_exact_alone_and_at_c16() {
     let p = prompts();
     let want: Vec<(String, u64)> = {
         let base = Server::start(&[]);
@@ -260,7 +260,7 @@ fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
         "--speculative-num-steps",
         "3",
     ]);
-    for c in [1, 4, 16] {
+    for c in [1, 16] {
         let n = if c == 1 { 6 } else { p.len() };
         let got = concurrently(&fixed, &p[..n], c);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -288,7 +288,7 @@ fn eagle3_chain_speculation_keeps_greedy_output_exact_at_every_batch_size() {
 }
 
 #[test]
-fn eagle3_tree_speculation_keeps_greedy_output_exact_at_every_batch_size() {
+fn eagle3_tree_speculation_keeps_greedy_output_exact_alone_and_at_c16() {
     let p = prompts();
     let want: Vec<(String, u64)> = {
         let base = Server::start(&[]);
@@ -317,7 +317,7 @@ fn eagle3_tree_speculation_keeps_greedy_output_exact_at_every_batch_size() {
     let mut fixed_flags = tree.to_vec();
     fixed_flags.extend(["--speculative-policy", "fixed"]);
     let fixed = Server::start(&fixed_flags);
-    for c in [1, 4, 16] {
+    for c in [1, 16] {
         let n = if c == 1 { 6 } else { p.len() };
         let got = concurrently(&fixed, &p[..n], c);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
