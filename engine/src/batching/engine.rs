@@ -101,6 +101,9 @@ struct Live {
     /// neither drafts (one mask covers a step) nor runs overlapped (its next mask needs the
     /// token before).
     guide: Option<Guide>,
+    /// Its matcher failed (a mask it could not compute, a token it refused): the request fails
+    /// when the step is applied, and nothing more from it reaches the client.
+    guide_error: Option<String>,
 }
 
 /// A step launched and not yet collected (overlap scheduling).
@@ -136,9 +139,6 @@ struct DraftRoom {
     /// Draft tokens it may take (their KV slots are reserved; 0: none).
     tokens: usize,
 }
-
-/// Each scheduled sequence's token mask, and the requests whose matcher failed.
-type MaskedStep = (Vec<Option<TokenMask>>, Vec<(SeqId, String)>);
 
 /// Starts the engine thread over `runner`.
 pub fn spawn(
@@ -241,6 +241,7 @@ impl Engine {
                 placeholder: None,
                 cached_reported: false,
                 guide,
+                guide_error: None,
             },
         );
         self.sched.add(SeqState::new(id, req.prompt));
@@ -316,7 +317,7 @@ impl Engine {
     /// The plain step: the runner runs it to its tokens, which are applied before returning.
     fn execute(&mut self, work: &[(usize, usize)]) {
         let rooms = self.reserve_draft_room(work);
-        let (masks, failed) = self.masks(work);
+        let masks = self.masks(work);
         let result = {
             let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms, &masks);
             let runner = &mut self.runner;
@@ -331,9 +332,6 @@ impl Engine {
                 let ids = self.ids(work);
                 self.fail_step(&ids, e);
             }
-        }
-        for (id, e) in failed {
-            self.finish_with(id, Event::Failed(format!("structured output: {e}")));
         }
     }
 
@@ -440,22 +438,20 @@ impl Engine {
         }
     }
 
-    /// The token mask of each guided sequence that samples this step (`None` elsewhere), and
-    /// the requests whose matcher failed (they fail once the step is applied).
-    fn masks(&mut self, work: &[(usize, usize)]) -> MaskedStep {
-        let mut failed = Vec::new();
-        let masks = work
-            .iter()
+    /// The token mask of each guided sequence that samples this step (`None` elsewhere). A
+    /// matcher that fails marks its request, which fails when the step is applied.
+    fn masks(&mut self, work: &[(usize, usize)]) -> Vec<Option<TokenMask>> {
+        work.iter()
             .map(|&(i, n)| {
                 let seq = &self.sched.running()[i];
-                let guide = self.live.get_mut(&seq.id)?.guide.as_mut()?;
+                let live = self.live.get_mut(&seq.id)?;
+                let guide = live.guide.as_mut()?;
                 if seq.computed + n != seq.tokens.len() {
                     return None;
                 }
-                guide.mask().map_err(|e| failed.push((seq.id, e))).ok()
+                guide.mask().map_err(|e| live.guide_error = Some(e)).ok()
             })
-            .collect();
-        (masks, failed)
+            .collect()
     }
 
     fn ids(&self, work: &[(usize, usize)]) -> Vec<SeqId> {
@@ -508,6 +504,7 @@ impl Engine {
     fn apply(&mut self, work: &[(usize, usize)], rooms: &[DraftRoom], out: StepOutput) {
         let batch_label = BatchLabels::of(work.len());
         let mut finished = Vec::new();
+        let mut failed = Vec::new();
         for ((&(i, n), room), o) in work.iter().zip(rooms).zip(out.seqs) {
             let seq = &mut self.sched.running_mut()[i];
             // The fed tokens and the accepted drafts are in the cache now.
@@ -516,15 +513,26 @@ impl Engine {
             let mut finish = o.finish;
             if let Some(live) = self.live.get_mut(&id) {
                 for sampled in o.tokens.iter().cloned() {
-                    let token = sampled.token;
-                    emit(seq, live, sampled, &self.metrics, &self.info);
+                    if live.guide_error.is_some() {
+                        break;
+                    }
                     if let Some(g) = live.guide.as_mut() {
-                        // The mask allowed the token, so the matcher takes it; a grammar that
-                        // is complete ends the request as an end-of-sequence token would.
-                        if g.advance(token).is_err() || g.finished() {
+                        // The mask allowed the token, so the matcher takes it (a refusal fails
+                        // the request, the token unsent); a grammar that is complete ends the
+                        // request as an end-of-sequence token would.
+                        if let Err(e) = g.advance(sampled.token) {
+                            live.guide_error = Some(e);
+                            break;
+                        }
+                        if g.finished() {
                             finish = finish.or(Some(FinishReason::Eos));
                         }
                     }
+                    emit(seq, live, sampled, &self.metrics, &self.info);
+                }
+                if let Some(e) = &live.guide_error {
+                    failed.push((id, e.clone()));
+                    finish = None;
                 }
             }
             if let Some(reason) = finish {
@@ -539,6 +547,9 @@ impl Engine {
         }
         for (id, reason) in finished {
             self.finish(id, reason);
+        }
+        for (id, e) in failed {
+            self.finish_with(id, Event::Failed(format!("structured output: {e}")));
         }
     }
 

@@ -145,14 +145,17 @@ impl Tools {
                 format!("`tool_choice` names `{name}`, which is not among `tools`"),
             ));
         }
-        let parser = parser.ok_or_else(|| {
-            ApiError::invalid(
-                "tools",
-                "this model's chat template shows no tool-call format kiln knows; start kiln \
+        // `none` renders the tools and parses nothing, so it needs no known format ("" then).
+        let parser = parser
+            .or((choice == Choice::None).then_some(""))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "tools",
+                    "this model's chat template shows no tool-call format kiln knows; start kiln \
                  with --tool-call-parser (qwen25, llama3, mistral, deepseekv3, deepseekv31, \
                  kimi_k2)",
-            )
-        })?;
+                )
+            })?;
         Ok(Some(Tools {
             defs,
             choice,
@@ -202,7 +205,9 @@ impl Tools {
                        "required": ["name", "arguments"], "additionalProperties": false})
             })
             .collect();
-        let schema = json!({"anyOf": calls});
+        // Compact JSON, as for response formats: free whitespace lets a small model pad the
+        // arguments until max_tokens.
+        let schema = crate::structured::compact(json!({"anyOf": calls}));
         // One call, or (parallel) several, each `<tool_call>\n{json}\n</tool_call>` as the
         // Qwen2.5 template teaches; nothing before or after.
         let repeat = if self.parallel && self.choice == Choice::Required {
@@ -317,6 +322,21 @@ fn bare_calls(tools: &Tools, text: &str) -> Option<Vec<(String, String)>> {
         .filter(|calls| !calls.is_empty())
 }
 
+/// Whether a reply that begins so may still turn out one bare call: an object, or a fence whose
+/// first line says json (or nothing) — a ```` ```python ```` block is released at once.
+fn could_be_bare(start: &str) -> bool {
+    if start.starts_with('{') {
+        return true;
+    }
+    let Some(rest) = start.strip_prefix("```") else {
+        return false;
+    };
+    match rest.find('\n') {
+        None => "json".starts_with(rest.trim()),
+        Some(end) => matches!(rest[..end].trim(), "" | "json"),
+    }
+}
+
 /// One streamed choice's parser: text in, content and tool-call deltas out.
 pub struct StreamCalls {
     tools: Tools,
@@ -379,8 +399,11 @@ impl StreamCalls {
                         deltas.push(self.delta(item.tool_index, item.name, item.parameters));
                     }
                 }
-                // The parser gave up: the text is the model's answer as written.
-                Err(_) => content.push_str(text),
+                // The parser gave up: what it held and this piece are the model's answer.
+                Err(_) => {
+                    content.push_str(&self.parser.take_unstreamed_normal_text());
+                    content.push_str(text);
+                }
             }
         }
         if last {
@@ -417,7 +440,7 @@ impl StreamCalls {
         }
         let held = self.bare.as_deref().unwrap_or_default();
         let trimmed = held.trim_start();
-        if !(trimmed.is_empty() || trimmed.starts_with('{') || trimmed.starts_with("```")) {
+        if !(trimmed.is_empty() || could_be_bare(trimmed)) {
             // Only whitespace was held, then text: parse it all as usual.
             let held = self.bare.take().unwrap_or_default();
             self.fresh = false;

@@ -41,7 +41,7 @@ impl Constraint {
 /// JSON as `json.dumps` writes it (`", "` and `": "`, no other whitespace) unless the schema
 /// says otherwise: free whitespace lets a small model pad its output with newlines until
 /// `max_tokens` cuts it.
-fn compact(mut schema: Value) -> Value {
+pub fn compact(mut schema: Value) -> Value {
     if let Value::Object(o) = &mut schema
         && !o.contains_key("x-guidance")
     {

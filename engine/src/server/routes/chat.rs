@@ -115,17 +115,36 @@ fn template_call(c: &MessageToolCall) -> Value {
            "function": {"name": c.function.name, "arguments": arguments}})
 }
 
+/// Templates that join a call's arguments to text with `+` (DeepSeek-V3, R1 and V3.1) need them
+/// as the JSON string OpenAI sent; the others read an object (transformers' convention).
+fn concatenates_arguments(template: &str) -> bool {
+    ["['arguments'] +", "['arguments']+", ".arguments +"]
+        .iter()
+        .any(|p| template.contains(p))
+}
+
 /// The prompt ids of a conversation, ending where the assistant's reply begins.
 pub fn chat_prompt(
     ready: &Ready,
     messages: &[Message],
     tools: Option<&[Value]>,
 ) -> Result<Vec<u32>, ApiError> {
-    let msgs = convert_messages(messages)?;
+    let mut msgs = convert_messages(messages)?;
     let tok = &ready.model.tokenizer;
     let template = tok.chat_template.as_ref().ok_or_else(|| {
         ApiError::bad_request("This model has no chat template; use /v1/completions")
     })?;
+    if concatenates_arguments(template.source()) {
+        for call in msgs
+            .iter_mut()
+            .flat_map(|m| m.tool_calls.iter_mut().flatten())
+        {
+            let args = &mut call["function"]["arguments"];
+            if !args.is_string() {
+                *args = Value::String(args.to_string());
+            }
+        }
+    }
     let text = template
         .render_with_tools(&msgs, tools, true)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;

@@ -254,3 +254,27 @@ fn a_bare_qwen_call_is_a_call_whole_and_streamed() {
         assert_eq!(streamed, text);
     }
 }
+
+#[test]
+fn a_fenced_reply_in_another_language_streams_at_once() {
+    let text = "```python\nprint('hello')\nprint('again')\n```";
+    let mut s = StreamCalls::new(&tools("qwen")).expect("parser");
+    let pieces = pieces_as_streamed(text);
+    let mut before_last = String::new();
+    let mut all = String::new();
+    for (i, p) in pieces.iter().enumerate() {
+        let last = i + 1 == pieces.len();
+        let (c, d) = s.feed(p, last);
+        assert!(d.is_empty());
+        if !last {
+            before_last.push_str(&c);
+        }
+        all.push_str(&c);
+    }
+    assert_eq!(all, text);
+    assert!(
+        before_last.contains("print('hello')"),
+        "held to the end: {before_last:?}"
+    );
+    assert!(!could_be_bare("```py") && could_be_bare("```") && could_be_bare("```jso"));
+}
