@@ -56,6 +56,8 @@ pub struct Metrics {
     registry: Registry,
     pub spec_draft_tokens: Counter,
     pub spec_accepted_tokens: Counter,
+    /// Draft tokens dropped before verification: the sequence's grammar refused them.
+    pub spec_grammar_refused_tokens: Counter,
     pub spec_accepted_per_position: Family<PositionLabels, Counter>,
     /// Tokens emitted per verified sequence (accepted drafts + 1), by batch-size bucket.
     pub spec_accept_length: Family<BatchLabels, Histogram>,
@@ -110,6 +112,7 @@ impl Metrics {
         let m = Metrics {
             spec_draft_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
+            spec_grammar_refused_tokens: Counter::default(),
             spec_accepted_per_position: Family::default(),
             spec_accept_length: Family::new_with_constructor(small),
             spec_chosen_k: Family::new_with_constructor(small),
@@ -263,6 +266,11 @@ impl Metrics {
             "spec_accepted_tokens",
             "Draft tokens accepted",
             m.spec_accepted_tokens.clone(),
+        );
+        r.register(
+            "spec_grammar_refused_tokens",
+            "Draft tokens dropped before verification because the request's grammar refused them",
+            m.spec_grammar_refused_tokens.clone(),
         );
         r.register(
             "spec_accepted_tokens_per_position",

@@ -84,6 +84,7 @@ fn run(engine: &EngineHandle, asks: &[Ask], together: bool) -> Vec<Got> {
                 ignore_eos: true,
                 stop_token_ids: a.stop.clone(),
                 guide: None,
+                keep_special: false,
             },
             events: tx,
             arrival: Instant::now(),

@@ -1,6 +1,6 @@
 //! The model runner on its own: a step plan in, emitted tokens out, over a real model. What the
-//! engine relies on and the server tests cannot isolate: the token mask, the stop rules a step
-//! emits by, and drafting within the room the plan gives.
+//! engine relies on and the server tests cannot isolate: the token mask, drafts held to a
+//! grammar, the stop rules a step emits by, and drafting within the room the plan gives.
 
 mod common;
 
@@ -9,10 +9,11 @@ use kiln::generate::FinishReason;
 use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::runner::{
     Device, GraphUse, LoadSpec, ModelRunner, RunnerConfig, SamplingSite, SeqParams, SeqPlan,
-    StepOutput, StepPlan, TokenMask,
+    StepOutput, StepPlan, TokenGuide, TokenMask,
 };
 use kiln::sampling::SamplingParams;
 use kiln::speculation::{SpecConfig, SpecMethod};
+use kiln::structured::{Constraint, Grammars};
 
 const BLOCK: usize = 16;
 
@@ -69,7 +70,7 @@ impl Seq {
         alloc: &mut BlockAllocator,
         room: usize,
         tokens_left: usize,
-        mask: Option<&TokenMask>,
+        guide: Option<&dyn TokenGuide>,
     ) -> StepOutput {
         let n_new = self.tokens.len() - self.computed;
         let slots = if n_new == 1 { r.draft_slots(room) } else { 0 };
@@ -88,7 +89,7 @@ impl Seq {
                 draft_room: if slots > 0 { room } else { 0 },
                 tokens_left,
                 context_left: 1 << 20,
-                mask,
+                guide,
                 pending_last: false,
             }],
         };
@@ -117,6 +118,20 @@ fn start_with(r: &mut dyn ModelRunner, prompt: &[u32], params: SeqParams) -> (Se
 
 const PROMPT: [u32; 6] = [1, 504, 3458, 282, 4193, 314];
 
+/// One mask for every row.
+#[derive(Debug)]
+struct Only(TokenMask);
+
+impl TokenGuide for Only {
+    fn admits(&self, _drafts: &[u32]) -> usize {
+        0
+    }
+
+    fn mask_after(&self, _path: &[u32]) -> TokenMask {
+        self.0.clone()
+    }
+}
+
 #[test]
 fn the_token_mask_decides_what_a_step_may_sample() {
     let mut r = runner(SpecConfig::default());
@@ -127,7 +142,7 @@ fn the_token_mask_decides_what_a_step_may_sample() {
     // The same step with the free choice masked out: the best of what the mask allows.
     let vocab = r.info().config.vocab_size;
     let allowed = [free + 1, free + 2, 17];
-    let mask = TokenMask::allowing(vocab, allowed);
+    let mask = Only(TokenMask::allowing(vocab, allowed));
     let (mut seq, mut alloc) = start(r.as_mut(), &PROMPT);
     let out = seq.step(r.as_mut(), &mut alloc, 0, 8, Some(&mask));
     let got = out.seqs[0].tokens[0].token;
@@ -178,6 +193,85 @@ fn n_gram_drafts_are_made_and_verified_and_stop_at_the_token_budget() {
     assert_eq!(out.seqs[0].finish, Some(FinishReason::Length));
 }
 
+/// Runs `prompt` under a regex until `n` tokens or the grammar ends, the guide following what
+/// each step emits as the engine's does; returns the output and the drafted, accepted and
+/// refused draft counts.
+fn guided_run(
+    r: &mut dyn ModelRunner,
+    prompt: &[u32],
+    regex: &str,
+    room: usize,
+    n: usize,
+) -> (Vec<u32>, usize, usize, usize) {
+    let info = r.info().clone();
+    let grammars = Grammars::new(&info.tokenizer, info.config.vocab_size).expect("token table");
+    let guide = std::sync::Mutex::new(
+        grammars
+            .guide(&Constraint::Regex(regex.into()))
+            .expect("regex compiles"),
+    );
+    let (mut seq, mut alloc) = start(r, prompt);
+    let (mut drafted, mut accepted, mut refused) = (0, 0, 0);
+    while seq.tokens.len() < prompt.len() + n {
+        let out = seq.step(r, &mut alloc, room, 64, Some(&guide));
+        let o = &out.seqs[0];
+        drafted += o.drafted;
+        accepted += o.accepted;
+        refused += o.refused;
+        let mut g = guide.lock().expect("guide");
+        for (k, s) in o.tokens.iter().enumerate() {
+            g.advance(s.token);
+            assert_eq!(g.error(), None, "the matcher refused an emitted token");
+            if g.finished() {
+                // What the step emitted past the grammar's end is dropped, as the engine does.
+                let end = seq.tokens.len() - o.tokens.len() + k + 1;
+                r.release(7);
+                return (
+                    seq.tokens[prompt.len()..end].to_vec(),
+                    drafted,
+                    accepted,
+                    refused,
+                );
+            }
+        }
+    }
+    r.release(7);
+    (
+        seq.tokens[prompt.len()..].to_vec(),
+        drafted,
+        accepted,
+        refused,
+    )
+}
+
+#[test]
+fn a_guided_sequence_drafts_only_what_its_grammar_admits_and_keeps_greedy_output() {
+    let mut plain = runner(SpecConfig::default());
+    // The model would repeat the prompt's `4`s; the grammar forbids them, so prompt lookup keeps
+    // proposing drafts the grammar refuses, among others it admits.
+    let prompt = plain
+        .info()
+        .tokenizer
+        .encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,", true)
+        .expect("encode");
+    let regex = "( [0-35-9],){12}";
+    let (want, ..) = guided_run(plain.as_mut(), &prompt, regex, 0, 40);
+    let text = plain.info().tokenizer.decode(&want, true).expect("decode");
+    assert!(!text.contains('4'), "the grammar was not applied: {text:?}");
+
+    let mut r = runner(SpecConfig {
+        method: SpecMethod::Ngram,
+        adaptive: false,
+        num_steps: 4,
+        ..SpecConfig::default()
+    });
+    let (got, drafted, accepted, refused) = guided_run(r.as_mut(), &prompt, regex, 4, 40);
+    assert!(drafted > 0, "no drafts were verified");
+    assert!(accepted > 0, "no draft was accepted");
+    assert!(refused > 0, "the grammar refused no draft");
+    assert_eq!(got, want, "drafting changed guided greedy output");
+}
+
 #[test]
 fn a_failing_op_fails_the_step_with_an_error_and_the_runner_goes_on() {
     let mut r = runner(SpecConfig::default());
@@ -197,7 +291,7 @@ fn a_failing_op_fails_the_step_with_an_error_and_the_runner_goes_on() {
             draft_room: 0,
             tokens_left: 4,
             context_left: 64,
-            mask: None,
+            guide: None,
             pending_last: false,
         }],
     };
@@ -342,7 +436,7 @@ fn batch_run(
                     draft_room: 0,
                     tokens_left: 1 << 20,
                     context_left: 1 << 20,
-                    mask: None,
+                    guide: None,
                     pending_last: false,
                 })
                 .collect(),
@@ -446,6 +540,7 @@ fn a_panicking_step_fails_its_request_and_the_engine_goes_on() {
                 ignore_eos: true,
                 stop_token_ids: vec![],
                 guide: None,
+                keep_special: false,
             },
             events: tx,
             arrival: std::time::Instant::now(),

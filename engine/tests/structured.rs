@@ -78,6 +78,81 @@ fn the_official_client_calls_tools_on_qwen() {
     run_client(&s, "tools_client.py");
 }
 
+/// Qwen2.5-Coder on its own port, with `extra` flags.
+fn qwen_server(extra: &[&str]) -> Server {
+    let port = common::server::free_port();
+    let (port_text, model) = (
+        port.to_string(),
+        common::qwen().to_string_lossy().to_string(),
+    );
+    let mut args = vec![
+        "--port",
+        &port_text,
+        "--model",
+        &model,
+        "--served-model-name",
+        "m",
+        "--kv-tokens",
+        "4096",
+    ];
+    args.extend_from_slice(extra);
+    Server::start_exactly(port, &args)
+}
+
+#[test]
+fn a_forced_call_in_every_tool_format_comes_back_as_that_call() {
+    // The grammar writes Qwen2.5-Coder's call in each family's format, and that family's parser
+    // reads it back, for a named function and for `required`.
+    let weather = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                       "required": ["zone"]}}}]);
+    for (flag, id) in [
+        ("qwen25", "call_"),
+        ("llama3", "call_"),
+        ("mistral", "call_"),
+        ("deepseekv3", "call_"),
+        ("deepseekv31", "call_"),
+        ("kimi_k2", "functions.get_weather:"),
+    ] {
+        let s = qwen_server(&["--tool-call-parser", flag]);
+        for choice in [
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            json!("required"),
+        ] {
+            // Markers Qwen's vocabulary lacks are spelled in pieces: room for them.
+            let body = json!({"model": "m", "max_tokens": 200, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": weather, "tool_choice": choice,
+                // One call, so the reply ends by itself (the grammar repeats parallel calls).
+                "parallel_tool_calls": false});
+            let v = chat(&s, &body);
+            let c = &v["choices"][0];
+            assert_eq!(c["finish_reason"], "tool_calls", "{flag} {choice}: {v}");
+            let call = &c["message"]["tool_calls"][0];
+            assert!(
+                call["id"].as_str().is_some_and(|i| i.starts_with(id)),
+                "{flag}: {v}"
+            );
+            let args = call["function"]["arguments"].as_str().expect("arguments");
+            let args: Value = serde_json::from_str(args).unwrap_or_else(|e| panic!("{e}: {v}"));
+            if call["function"]["name"] == "get_weather" {
+                assert!(args["city"].is_string(), "{flag}: {v}");
+            } else {
+                assert_eq!(call["function"]["name"], "get_time", "{flag}: {v}");
+                assert!(args["zone"].is_string(), "{flag}: {v}");
+            }
+            assert!(
+                c["message"]["content"].is_null() || c["message"]["content"].as_str() == Some(""),
+                "{flag}: the call's text leaked into content: {v}"
+            );
+        }
+    }
+}
+
 fn chat(s: &Server, body: &Value) -> Value {
     let (status, v) = s.post_json("/v1/chat/completions", body);
     assert_eq!(status, 200, "{v}");
@@ -174,30 +249,26 @@ fn bad_constraints_are_400s_naming_their_field_and_null_means_default() {
 
 #[test]
 fn json_schema_requests_at_c16_with_ngram_speculation_equal_plain_decoding() {
-    // Guided sequences take no drafts (one mask covers a step); the unguided half of the batch
-    // drafts, so the step mixes both, and every reply must equal the server without speculation.
+    // Every request is guided, so every draft is a guided sequence's: checked against its
+    // grammar, verified under its row's mask, the matcher following only what stands. Every
+    // reply must equal the server without speculation.
     let schema = json!({"type": "object", "properties": {
         "title": {"type": "string", "maxLength": 40}, "tags": {"type": "array",
         "items": {"type": "string", "maxLength": 12}, "maxItems": 4}},
         "required": ["title", "tags"], "additionalProperties": false});
     let body = |q: usize| {
-        let mut b = json!({"model": "m", "max_tokens": 40, "temperature": 0,
+        json!({"model": "m", "max_tokens": 40, "temperature": 0,
             "messages": [{"role": "user", "content":
-                format!("Write a title and tags for note {q}: repeat repeat repeat the words.")}]});
-        if q.is_multiple_of(2) {
-            b["response_format"] =
-                json!({"type": "json_schema", "json_schema": {"name": "note", "schema": schema}});
-        } else {
-            b["ignore_eos"] = json!(true);
-        }
-        b
+                format!("Write a title and tags for note {q}: repeat repeat repeat the words.")}],
+            "response_format":
+                {"type": "json_schema", "json_schema": {"name": "note", "schema": schema}}})
     };
     let run = |s: &Server| -> Vec<Value> {
         std::thread::scope(|scope| {
             let handles: Vec<_> = (0..16)
                 .map(|q| {
                     let b = body(q);
-                    scope.spawn(move || chat(s, &b)["choices"][0]["message"].clone())
+                    scope.spawn(move || chat(s, &b)["choices"][0].clone())
                 })
                 .collect();
             handles
@@ -219,9 +290,23 @@ fn json_schema_requests_at_c16_with_ngram_speculation_equal_plain_decoding() {
     ]);
     let got = run(&spec);
     assert_eq!(got, want);
+    // Every reply that ended by itself validates (one cut by max_tokens says `length`).
+    for c in got.iter().filter(|c| c["finish_reason"] == "stop") {
+        let text = c["message"]["content"].as_str().expect("content");
+        let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(v["title"].is_string() && v["tags"].is_array(), "{v}");
+    }
+    assert!(
+        got.iter().any(|c| c["finish_reason"] == "stop"),
+        "no reply ended by itself"
+    );
     assert!(
         spec.metric("kiln_spec_draft_tokens_total") > 0.0,
-        "the unguided half drafted"
+        "guided sequences drafted nothing"
+    );
+    assert!(
+        spec.metric("kiln_spec_accepted_tokens_total") > 0.0,
+        "no guided draft was accepted"
     );
 }
 

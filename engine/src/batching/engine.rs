@@ -17,9 +17,9 @@
 //! detokenization onto this thread for comparison.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -31,7 +31,7 @@ use crate::kv_cache::BlockAllocator;
 use crate::metrics::Metrics;
 use crate::metrics::{BatchLabels, PositionLabels};
 use crate::runner::{ModelInfo, ModelRunner, SeqOutput, SeqParams, SeqPlan, StepOutput, StepPlan};
-use crate::sampling::{Sampled, TokenMask};
+use crate::sampling::{Sampled, TokenGuide};
 use crate::structured::Guide;
 use crate::tokenizer::IncrementalDecoder;
 
@@ -97,13 +97,11 @@ struct Live {
     placeholder: Option<usize>,
     /// Its cached prompt tokens were sent (on its first admission).
     cached_reported: bool,
-    /// Structured outputs: masks what it samples and follows what it emits. A guided request
-    /// neither drafts (one mask covers a step) nor runs overlapped (its next mask needs the
-    /// token before).
-    guide: Option<Guide>,
-    /// Its matcher failed (a mask it could not compute, a token it refused): the request fails
+    /// Structured outputs: the runner asks it what each row may sample (drafts included) while
+    /// the forward runs; it follows what the request emits. A guided request never runs
+    /// overlapped (its next mask needs the token before). A matcher that fails fails its request
     /// when the step is applied, and nothing more from it reaches the client.
-    guide_error: Option<String>,
+    guide: Option<Mutex<Guide>>,
 }
 
 /// A step launched and not yet collected (overlap scheduling).
@@ -231,7 +229,8 @@ impl Engine {
         self.live.insert(
             id,
             Live {
-                decoder: (!self.cfg.detok_overlap).then(|| IncrementalDecoder::new(true)),
+                decoder: (!self.cfg.detok_overlap)
+                    .then(|| IncrementalDecoder::new(!req.params.keep_special)),
                 params: req.params,
                 events: req.events,
                 arrival: req.arrival,
@@ -240,8 +239,7 @@ impl Engine {
                 overlaps,
                 placeholder: None,
                 cached_reported: false,
-                guide,
-                guide_error: None,
+                guide: guide.map(Mutex::new),
             },
         );
         self.sched.add(SeqState::new(id, req.prompt));
@@ -317,9 +315,8 @@ impl Engine {
     /// The plain step: the runner runs it to its tokens, which are applied before returning.
     fn execute(&mut self, work: &[(usize, usize)]) {
         let rooms = self.reserve_draft_room(work);
-        let masks = self.masks(work);
         let result = {
-            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms, &masks);
+            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms);
             let runner = &mut self.runner;
             guarded(|| runner.execute(&plan))
         };
@@ -340,7 +337,7 @@ impl Engine {
     fn launch(&mut self, work: &[(usize, usize)]) {
         let rooms = vec![DraftRoom::default(); work.len()];
         let (result, ends_by_length) = {
-            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms, &[]);
+            let plan = plan(&self.sched, &self.live, &self.cfg, work, &rooms);
             let ends = plan
                 .seqs
                 .iter()
@@ -438,22 +435,6 @@ impl Engine {
         }
     }
 
-    /// The token mask of each guided sequence that samples this step (`None` elsewhere). A
-    /// matcher that fails marks its request, which fails when the step is applied.
-    fn masks(&mut self, work: &[(usize, usize)]) -> Vec<Option<TokenMask>> {
-        work.iter()
-            .map(|&(i, n)| {
-                let seq = &self.sched.running()[i];
-                let live = self.live.get_mut(&seq.id)?;
-                let guide = live.guide.as_mut()?;
-                if seq.computed + n != seq.tokens.len() {
-                    return None;
-                }
-                guide.mask().map_err(|e| live.guide_error = Some(e)).ok()
-            })
-            .collect()
-    }
-
     fn ids(&self, work: &[(usize, usize)]) -> Vec<SeqId> {
         work.iter()
             .map(|&(i, _)| self.sched.running()[i].id)
@@ -467,11 +448,7 @@ impl Engine {
         for (room, &(i, n)) in rooms.iter_mut().zip(work) {
             let seq = &self.sched.running()[i];
             room.decoding = seq.decodes(n);
-            let Some(live) = self
-                .live
-                .get(&seq.id)
-                .filter(|l| room.decoding && l.guide.is_none())
-            else {
+            let Some(live) = self.live.get(&seq.id).filter(|_| room.decoding) else {
                 continue;
             };
             // Never draft past the request's last token or the model's context.
@@ -513,25 +490,33 @@ impl Engine {
             let mut finish = o.finish;
             if let Some(live) = self.live.get_mut(&id) {
                 for sampled in o.tokens.iter().cloned() {
-                    if live.guide_error.is_some() {
-                        break;
-                    }
-                    if let Some(g) = live.guide.as_mut() {
+                    let mut complete = false;
+                    if let Some(g) = live
+                        .guide
+                        .as_mut()
+                        .map(|g| g.get_mut().unwrap_or_else(|e| e.into_inner()))
+                    {
                         // The mask allowed the token, so the matcher takes it (a refusal fails
                         // the request, the token unsent); a grammar that is complete ends the
                         // request as an end-of-sequence token would.
-                        if let Err(e) = g.advance(sampled.token) {
-                            live.guide_error = Some(e);
+                        g.advance(sampled.token);
+                        if g.error().is_some() {
                             break;
                         }
-                        if g.finished() {
-                            finish = finish.or(Some(FinishReason::Eos));
-                        }
+                        complete = g.finished();
                     }
                     emit(seq, live, sampled, &self.metrics, &self.info);
+                    if complete {
+                        finish = finish.or(Some(FinishReason::Eos));
+                        break;
+                    }
                 }
-                if let Some(e) = &live.guide_error {
-                    failed.push((id, e.clone()));
+                let error = live.guide.as_mut().and_then(|g| {
+                    let g = g.get_mut().unwrap_or_else(|e| e.into_inner());
+                    g.error().map(str::to_string)
+                });
+                if let Some(e) = error {
+                    failed.push((id, e));
                     finish = None;
                 }
             }
@@ -541,6 +526,9 @@ impl Engine {
             if o.drafted > 0 {
                 self.record_drafts(&o, &batch_label);
             }
+            self.metrics
+                .spec_grammar_refused_tokens
+                .inc_by(o.refused as u64);
             if room.tokens > 0 {
                 self.sched.trim_running(i);
             }
@@ -647,18 +635,16 @@ impl Engine {
 /// The runner's view of this step: each scheduled sequence's tokens, cache and limits.
 fn plan<'a>(
     sched: &'a Scheduler,
-    live: &HashMap<SeqId, Live>,
+    live: &'a HashMap<SeqId, Live>,
     cfg: &EngineConfig,
     work: &[(usize, usize)],
     rooms: &[DraftRoom],
-    masks: &'a [Option<TokenMask>],
 ) -> StepPlan<'a> {
     let running = sched.running();
     let seqs = work
         .iter()
         .zip(rooms)
-        .enumerate()
-        .map(|(k, (&(i, n), room))| {
+        .map(|(&(i, n), room)| {
             let seq = &running[i];
             let l = live.get(&seq.id);
             // A draw still out (overlap scheduling) counts as emitted.
@@ -675,7 +661,9 @@ fn plan<'a>(
                 draft_room: room.tokens,
                 tokens_left: max_tokens.saturating_sub(generated),
                 context_left: cfg.max_model_len.saturating_sub(seq.tokens.len()),
-                mask: masks.get(k).and_then(Option::as_ref),
+                guide: l
+                    .and_then(|l| l.guide.as_ref())
+                    .map(|g| g as &dyn TokenGuide),
                 pending_last: l.is_some_and(|l| l.placeholder.is_some()),
             }
         })

@@ -19,6 +19,9 @@ pub struct RequestParams {
     pub stop_token_ids: Vec<u32>,
     /// Structured outputs: the matcher that masks every token this request samples.
     pub guide: Option<Guide>,
+    /// The text keeps special tokens (a tool-call format's markers), all but the ones that end
+    /// the request.
+    pub keep_special: bool,
 }
 
 pub struct EngineRequest {

@@ -53,18 +53,24 @@ pub struct HostRows<'a> {
     pub logits: &'a [f32],
     pub first_row: usize,
     pub vocab: usize,
-    pub mask: Option<&'a TokenMask>,
+    /// Each row's token mask (structured outputs), row `j` at `j`.
+    pub masks: Option<&'a [TokenMask]>,
 }
 
 impl HostRows<'_> {
     fn row(&self, j: usize) -> Vec<f32> {
         let r = self.first_row + j;
         let mut row = self.logits[r * self.vocab..(r + 1) * self.vocab].to_vec();
-        if let Some(m) = self.mask {
+        if let Some(m) = row_mask(self.masks, j) {
             m.apply(&mut row);
         }
         row
     }
+}
+
+/// Row `j`'s mask, when the sequence is guided (one per row, by construction).
+fn row_mask(masks: Option<&[TokenMask]>, j: usize) -> Option<&TokenMask> {
+    masks.and_then(|m| m.get(j))
 }
 
 impl Rows for HostRows<'_> {
@@ -93,26 +99,17 @@ impl DrawnRows<'_> {
         sampler: &mut Sampler,
         drafts: &[u32],
         tree: Option<&DraftTree>,
-        mask: Option<&'m TokenMask>,
+        masks: Option<&'m [TokenMask]>,
     ) -> Vec<RowDraw<'m>> {
         match tree {
             None => (0..=drafts.len())
-                .map(|j| sampler.row_draw(&drafts[..j], drafts.get(j).copied(), mask))
+                .map(|j| sampler.row_draw(&drafts[..j], drafts.get(j).copied(), row_mask(masks, j)))
                 .collect(),
-            Some(t) => {
-                let mut draws = vec![sampler.row_draw(&[], None, mask)];
-                for node in 0..t.len() {
-                    let mut path = Vec::new();
-                    let mut at = Some(node);
-                    while let Some(n) = at {
-                        path.push(t.tokens[n]);
-                        at = t.parents[n];
-                    }
-                    path.reverse();
-                    draws.push(sampler.row_draw(&path, None, mask));
-                }
-                draws
-            }
+            Some(t) => std::iter::once(sampler.row_draw(&[], None, row_mask(masks, 0)))
+                .chain((0..t.len()).map(|node| {
+                    sampler.row_draw(&t.path_to(node), None, row_mask(masks, node + 1))
+                }))
+                .collect(),
         }
     }
 

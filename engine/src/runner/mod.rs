@@ -4,18 +4,20 @@
 //! ids back ([`StepOutput`]), never logits.
 //!
 //! - `plan`: what crosses each step (plan in, output out), with room for prefix caching
-//!   (`cached_prefix`) and structured outputs (`mask`);
+//!   (`cached_prefix`) and structured outputs (`guide`);
 //! - `device`: `--device cpu|cuda` to a backend, the only place one is named;
 //! - `load`: a model path and settings to a runner and the [`ModelInfo`] the server shows;
 //! - `model_runner`: [`Runner`], the step itself (drafts, batch, forward, acceptance);
 //! - `drafter`: n-gram and EAGLE-3 (chain and tree) drafting behind one interface;
 //! - `graphs`: decode steps padded to batch-size buckets and replayed from recorded graphs;
-//! - `accept`: logits rows to emitted tokens (sampling, verification, tree walks, stop rules).
+//! - `accept`: logits rows to emitted tokens (sampling, verification, tree walks, stop rules);
+//! - `guided`: drafts checked against grammars, and each row's token mask (structured outputs).
 
 mod accept;
 pub mod device;
 mod drafter;
 pub mod graphs;
+mod guided;
 pub mod load;
 pub mod memory;
 mod model_runner;
@@ -28,7 +30,7 @@ pub use graphs::GraphUse;
 pub use load::{LoadSpec, load};
 pub use memory::KvSize;
 pub use model_runner::Runner;
-pub use plan::{SeqOutput, SeqParams, SeqPlan, StepOutput, StepPlan, TokenMask};
+pub use plan::{SeqOutput, SeqParams, SeqPlan, StepOutput, StepPlan, TokenGuide, TokenMask};
 
 use crate::backend::Precision;
 use crate::batching::scheduler::SeqId;

@@ -8,7 +8,8 @@ use std::time::Instant;
 use super::accept::{self, DrawnRows, HostRows, Rows, StopRule};
 use super::drafter::{Drafter, Drafts};
 use super::graphs::{DecodeGraphs, GraphUse, Padded};
-use super::plan::{SeqOutput, SeqParams, StepOutput, StepPlan};
+use super::guided;
+use super::plan::{SeqOutput, SeqParams, StepOutput, StepPlan, TokenMask};
 use super::{ModelInfo, ModelRunner, RunnerConfig, SamplingSite};
 use crate::backend::{Backend, GraphPhase, SeqSpan, TreeMask};
 use crate::batching::scheduler::SeqId;
@@ -292,9 +293,10 @@ impl<B: Backend> Runner<B> {
     /// each sampling sequence's rows from its own sampler ([`DrawnRows::draws`]).
     fn row_draws<'a>(
         &mut self,
-        plan: &StepPlan<'a>,
+        plan: &StepPlan<'_>,
         fed: &[Fed],
         drafts: &Drafts,
+        masks: &'a [Option<Vec<TokenMask>>],
         n_rows: usize,
     ) -> Vec<RowDraw<'a>> {
         let mut draws: Vec<RowDraw<'a>> = Vec::with_capacity(n_rows);
@@ -308,7 +310,7 @@ impl<B: Backend> Runner<B> {
                     &mut slot.sampler,
                     &drafts.tokens[w],
                     tree,
-                    s.mask,
+                    masks.get(w).and_then(Option::as_deref),
                 )),
                 // Released mid-step: its rows are drawn greedily and never read.
                 None => {
@@ -505,12 +507,13 @@ impl<B: Backend> ModelRunner for Runner<B> {
         // The policy may park the EAGLE-3 draft (drafting did not pay): no drafts, no extend.
         let parked = self.policy.draft_parked(plan.seqs.len());
         let budget = self.cfg.max_step_tokens.saturating_sub(plan.tokens());
-        let drafts = if self.policy.enabled() && !parked {
+        let mut drafts = if self.policy.enabled() && !parked {
             self.drafter
                 .propose(&self.model, &mut self.policy, plan, budget)
         } else {
             Drafts::none(plan.seqs.len())
         };
+        let refused = guided::trim_drafts(plan, &mut drafts);
         let (tokens, positions, logit_rows, fed) = Self::lay_out(plan, &drafts);
         let masks: Vec<Option<Vec<u64>>> = drafts
             .trees
@@ -526,9 +529,22 @@ impl<B: Backend> ModelRunner for Runner<B> {
             fill: None,
         };
         let in_backend = self.samples_in_backend();
-        let (logits, graph_bucket) = self.step_forward(&batch, in_backend)?;
+        // Guided sequences' masks are computed on the host while the forward runs (on the
+        // device, or on the CPU backend's other threads).
+        let (forward, row_masks) = if guided::any(plan) {
+            std::thread::scope(|scope| {
+                let masks = scope.spawn(|| guided::row_masks(plan, &drafts));
+                let forward = self.step_forward(&batch, in_backend);
+                (forward, masks.join())
+            })
+        } else {
+            (self.step_forward(&batch, in_backend), Ok(Vec::new()))
+        };
+        let (logits, graph_bucket) = forward?;
+        let row_masks = row_masks
+            .map_err(|_| crate::Error::Panicked("computing structured-output masks".into()))?;
         let drawn = if in_backend {
-            let draws = self.row_draws(plan, &fed, &drafts, logit_rows.len());
+            let draws = self.row_draws(plan, &fed, &drafts, &row_masks, logit_rows.len());
             self.model.backend.sample(self.ws.logits(), &draws)?
         } else {
             Vec::new()
@@ -557,7 +573,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
                     logits: &logits,
                     first_row: row,
                     vocab,
-                    mask: s.mask,
+                    masks: row_masks.get(w).and_then(Option::as_deref),
                 };
                 &mut host
             };
@@ -589,6 +605,10 @@ impl<B: Backend> ModelRunner for Runner<B> {
                     out
                 }
                 None => accept::chain(rows, &drafts.tokens[w], &stop),
+            };
+            let out = SeqOutput {
+                refused: refused[w],
+                ..out
             };
             if out.drafted > 0 {
                 // A tree is tried depth by depth, as a chain of its depth.
@@ -643,7 +663,8 @@ impl<B: Backend> ModelRunner for Runner<B> {
             fill: fill.as_deref(),
         };
         let (_, graph_bucket) = self.step_forward(&batch, true)?;
-        let draws = self.row_draws(plan, &fed, &drafts, logit_rows.len());
+        // Guided sequences never run launched ahead (their masks need the token before).
+        let draws = self.row_draws(plan, &fed, &drafts, &[], logit_rows.len());
         let drawn = self.model.backend.sample_launch(self.ws.logits(), &draws)?;
         let seqs = plan
             .seqs

@@ -6,8 +6,8 @@
 
 use crate::batching::scheduler::SeqId;
 use crate::generate::FinishReason;
-pub use crate::sampling::TokenMask;
 use crate::sampling::{Sampled, SamplingParams};
+pub use crate::sampling::{TokenGuide, TokenMask};
 
 /// How a sequence is sampled and when it stops, given once when it is admitted.
 #[derive(Clone, Debug)]
@@ -44,8 +44,9 @@ pub struct SeqPlan<'a> {
     pub tokens_left: usize,
     /// Tokens the sequence may still grow by before the context is full.
     pub context_left: usize,
-    /// Applied before sampling every token of this step (structured outputs); `None`: any token.
-    pub mask: Option<&'a TokenMask>,
+    /// Structured outputs: what each row may sample, drafts' rows included (the runner asks
+    /// while the forward runs, and drops drafts it refuses before); `None`: any token.
+    pub guide: Option<&'a dyn TokenGuide>,
     /// Overlap scheduling: `tokens`' last entry stands for the token the previous (launched,
     /// not yet collected) step draws for this sequence; the runner feeds that draw where it was
     /// made, never this placeholder.
@@ -84,6 +85,8 @@ pub struct SeqOutput {
     pub drafted: usize,
     /// Of those, the ones accepted (their KV entries stay).
     pub accepted: usize,
+    /// Draft tokens dropped before verification because the sequence's grammar refused them.
+    pub refused: usize,
 }
 
 /// What a step produced, a [`SeqOutput`] per planned sequence in plan order.

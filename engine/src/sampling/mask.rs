@@ -61,6 +61,18 @@ impl TokenMask {
     }
 }
 
+/// A sequence's output constraint as the runner consults it while it drafts and samples
+/// (structured outputs). It answers for the sequence's tokens so far plus a path of draft tokens,
+/// and whatever it is asked it ends where it began: drafts the target rejects are never taken
+/// back from it, because it never took them.
+pub trait TokenGuide: Sync + std::fmt::Debug {
+    /// How many of `drafts`, in order, the constraint admits.
+    fn admits(&self, drafts: &[u32]) -> usize;
+    /// The tokens allowed after `path` (drafts it admits; anything else: a mask allowing none,
+    /// for a row verification never reaches).
+    fn mask_after(&self, path: &[u32]) -> TokenMask;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

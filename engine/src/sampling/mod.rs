@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 mod mask;
 pub mod rows;
 
-pub use mask::TokenMask;
+pub use mask::{TokenGuide, TokenMask};
 pub use rows::{Penalty, RowDraw, RowResult, sample_row};
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

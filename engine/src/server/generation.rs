@@ -67,6 +67,7 @@ pub fn submit(
     for i in 0..n {
         let (tx, rx) = unbounded_channel();
         let mut params = params.clone();
+        let keep_special = params.keep_special;
         params.sampling.seed = params.sampling.seed.map(|s| s.wrapping_add(i as u64));
         let req = EngineRequest {
             prompt: prompt.to_vec(),
@@ -81,7 +82,7 @@ pub fn submit(
             index: first_index + i,
             ready: ready.clone(),
             rx,
-            decoder: IncrementalDecoder::new(true),
+            decoder: IncrementalDecoder::new(!keep_special),
             stop: StopMatcher::new(stops.to_vec()),
             completion_tokens: 0,
             cached_tokens: 0,

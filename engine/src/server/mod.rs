@@ -310,6 +310,7 @@ async fn warm_up(engine: &batching::EngineHandle, model: &ModelInfo) -> anyhow::
             ignore_eos: true,
             stop_token_ids: vec![],
             guide: None,
+            keep_special: false,
         },
         events: tx,
         arrival: std::time::Instant::now(),

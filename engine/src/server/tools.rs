@@ -179,46 +179,96 @@ impl Tools {
 
     /// `required` and a named function force the output into calls of the given tools: a
     /// grammar in the model's own format, each call's arguments held to the tool's schema.
-    pub fn constraint(&self) -> Result<Option<Constraint>, ApiError> {
-        let names: Vec<&ToolDef> = match &self.choice {
+    /// `special` gives the id of a marker the vocabulary holds as a special token, which the
+    /// grammar names by id (the model writes it as one token, and spelling it out would not
+    /// produce it).
+    pub fn constraint(
+        &self,
+        special: &dyn Fn(&str) -> Option<u32>,
+    ) -> Result<Option<Constraint>, ApiError> {
+        let tools: Vec<&ToolDef> = match &self.choice {
             Choice::None | Choice::Auto => return Ok(None),
             Choice::Required => self.defs.iter().collect(),
             Choice::Named(n) => self.defs.iter().filter(|t| &t.function.name == n).collect(),
         };
-        if self.parser != "qwen" {
+        let Some(f) = call_format(self.parser) else {
             return Err(ApiError::invalid(
                 "tool_choice",
                 format!(
-                    "`tool_choice` `required` or a named function is supported for the hermes / \
-                     Qwen2.5 tool format only so far, not `{}`; use `auto`",
+                    "`tool_choice` `required` or a named function cannot force the `{}` tool \
+                     format; use `auto`",
                     self.parser
                 ),
             ));
-        }
-        let calls: Vec<Value> = names
-            .iter()
-            .map(|t| {
-                json!({"type": "object",
-                       "properties": {"name": {"const": t.function.name},
-                                      "arguments": t.function.parameters.clone()
-                                          .unwrap_or_else(|| json!({"type": "object"}))},
-                       "required": ["name", "arguments"], "additionalProperties": false})
-            })
-            .collect();
-        // Compact JSON, as for response formats: free whitespace lets a small model pad the
-        // arguments until max_tokens.
-        let schema = crate::structured::compact(json!({"anyOf": calls}));
-        // One call, or (parallel) several, each `<tool_call>\n{json}\n</tool_call>` as the
-        // Qwen2.5 template teaches; nothing before or after.
-        let repeat = if self.parallel && self.choice == Choice::Required {
-            "(\"\\n\" call)*"
-        } else {
-            ""
         };
+        let lit = |segments: &[&str]| -> String {
+            let parts: Vec<String> = segments
+                .iter()
+                .map(|s| match special(s) {
+                    Some(id) => format!("<[{id}]>"),
+                    None => lark_string(s),
+                })
+                .collect();
+            parts.join(" ")
+        };
+        // A rule's pieces, the empty ones left out.
+        let seq = |pieces: &[&str]| -> String {
+            pieces
+                .iter()
+                .filter(|p| !p.is_empty())
+                .copied()
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let mut rules = Vec::new();
+        let mut alternatives = Vec::new();
+        for (i, t) in tools.iter().enumerate() {
+            let name = &t.function.name;
+            let name = if f.name_json {
+                serde_json::to_string(name).unwrap_or_default()
+            } else {
+                name.clone()
+            };
+            // Compact JSON, as for response formats: free whitespace lets a small model pad the
+            // arguments until max_tokens.
+            let schema = crate::structured::compact(
+                t.function
+                    .parameters
+                    .clone()
+                    .unwrap_or_else(|| json!({"type": "object"})),
+            );
+            let body = seq(&[
+                &lit(f.before_name),
+                &lark_string(&name),
+                &lit(f.after_name),
+                if f.indexed { "INDEX" } else { "" },
+                &lit(f.before_args),
+                &format!("args_{i}"),
+                &lit(f.after_args),
+            ]);
+            rules.push(format!("call_{i}: {body}\nargs_{i}: %json {schema}"));
+            alternatives.push(format!("call_{i}"));
+        }
+        // One call, or (parallel, `required`) several.
+        let more = if self.parallel && self.choice == Choice::Required {
+            format!("({})*", seq(&[&lit(f.separator), "call"]))
+        } else {
+            String::new()
+        };
+        let index = if f.indexed { "INDEX: /[0-9]+/\n" } else { "" };
         let grammar = format!(
-            "start: call {repeat}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {schema}\n"
+            "start: {}\ncall: {}\n{}\n{index}",
+            seq(&[&lit(f.open), "call", &more, &lit(f.close)]),
+            alternatives.join(" | "),
+            rules.join("\n"),
         );
         Ok(Some(Constraint::Lark(grammar)))
+    }
+
+    /// Whether the reply's text keeps special tokens: a format's markers may be special tokens,
+    /// and the parser reads them (as vLLM and SGLang keep them when tools are parsed).
+    pub fn keeps_special(&self) -> bool {
+        self.parses()
     }
 
     /// The OpenAI tool definitions `tool-parser` takes.
@@ -229,6 +279,111 @@ impl Tools {
             .filter_map(|v| serde_json::from_value(v).ok())
             .collect()
     }
+}
+
+/// How a format writes its calls, as the segments of text around each one; a segment that is a
+/// special token in the vocabulary is named by id in the grammar.
+struct CallFormat {
+    /// Before the first call.
+    open: &'static [&'static str],
+    /// After the last call.
+    close: &'static [&'static str],
+    /// Between two calls.
+    separator: &'static [&'static str],
+    before_name: &'static [&'static str],
+    /// The name is a JSON string (JSON formats) rather than bare text.
+    name_json: bool,
+    after_name: &'static [&'static str],
+    /// The call's index follows (Kimi-K2's `functions.NAME:IDX`).
+    indexed: bool,
+    before_args: &'static [&'static str],
+    after_args: &'static [&'static str],
+}
+
+/// The call layout of each `tool-parser` format, as its parser reads it and the family's chat
+/// template writes it.
+fn call_format(parser: &str) -> Option<CallFormat> {
+    const NONE: &[&str] = &[];
+    Some(match parser {
+        // `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, a line apart.
+        "qwen" => CallFormat {
+            open: NONE,
+            close: NONE,
+            separator: &["\n"],
+            before_name: &["<tool_call>", "\n{\"name\": "],
+            name_json: true,
+            after_name: &[", \"arguments\": "],
+            indexed: false,
+            before_args: NONE,
+            after_args: &["}\n", "</tool_call>"],
+        },
+        // `{"name": ..., "parameters": ...}`, `; ` apart.
+        "llama" => CallFormat {
+            open: NONE,
+            close: NONE,
+            separator: &["; "],
+            before_name: &["{\"name\": "],
+            name_json: true,
+            after_name: &[", \"parameters\": "],
+            indexed: false,
+            before_args: NONE,
+            after_args: &["}"],
+        },
+        // `[TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]`.
+        "mistral" => CallFormat {
+            open: &["[TOOL_CALLS]", " ["],
+            close: &["]"],
+            separator: &[", "],
+            before_name: &["{\"name\": "],
+            name_json: true,
+            after_name: &[", \"arguments\": "],
+            indexed: false,
+            before_args: NONE,
+            after_args: &["}"],
+        },
+        // `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`.
+        "deepseek" => CallFormat {
+            open: &["<｜tool▁calls▁begin｜>"],
+            close: &["<｜tool▁calls▁end｜>"],
+            separator: &["\n"],
+            before_name: &["<｜tool▁call▁begin｜>", "function", "<｜tool▁sep｜>"],
+            name_json: false,
+            after_name: &["\n```json\n"],
+            indexed: false,
+            before_args: NONE,
+            after_args: &["\n```", "<｜tool▁call▁end｜>"],
+        },
+        // `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
+        "deepseek31" => CallFormat {
+            open: &["<｜tool▁calls▁begin｜>"],
+            close: &["<｜tool▁calls▁end｜>"],
+            separator: NONE,
+            before_name: &["<｜tool▁call▁begin｜>"],
+            name_json: false,
+            after_name: &["<｜tool▁sep｜>"],
+            indexed: false,
+            before_args: NONE,
+            after_args: &["<｜tool▁call▁end｜>"],
+        },
+        // `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>`.
+        "kimik2" => CallFormat {
+            open: &["<|tool_calls_section_begin|>"],
+            close: &["<|tool_calls_section_end|>"],
+            separator: NONE,
+            before_name: &["<|tool_call_begin|>", "functions."],
+            name_json: false,
+            after_name: &[":"],
+            indexed: true,
+            before_args: &["<|tool_call_argument_begin|>"],
+            after_args: &["<|tool_call_end|>"],
+        },
+        _ => return None,
+    })
+}
+
+/// `s` as a Lark string literal.
+fn lark_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
 }
 
 fn factory() -> &'static tool_parser::ParserFactory {

@@ -139,6 +139,7 @@ pub fn plan(
             ignore_eos: k.ignore_eos,
             stop_token_ids,
             guide: None,
+            keep_special: false,
         },
     })
 }

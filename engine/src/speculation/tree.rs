@@ -86,6 +86,18 @@ impl DraftTree {
         rows
     }
 
+    /// The tokens from the current token's first child down to `node`, inclusive.
+    pub fn path_to(&self, node: usize) -> Vec<u32> {
+        let mut path = Vec::new();
+        let mut at = Some(node);
+        while let Some(n) = at {
+            path.push(self.tokens[n]);
+            at = self.parents[n];
+        }
+        path.reverse();
+        path
+    }
+
     /// The node under `parent` (`None`: the current token) carrying `token`.
     pub fn child(&self, parent: Option<usize>, token: u32) -> Option<usize> {
         (0..self.len()).find(|&i| self.parents[i] == parent && self.tokens[i] == token)

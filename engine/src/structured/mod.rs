@@ -2,14 +2,14 @@
 //! kiln's vocabulary (the `llguidance` crate), which says before every sampled token which tokens
 //! may come next and follows the tokens the request emits.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{Value, json};
 
-use crate::sampling::TokenMask;
+use crate::sampling::{TokenGuide, TokenMask};
 use crate::tokenizer::Tokenizer;
 
 /// What a request constrains its output to.
@@ -100,16 +100,19 @@ impl Grammars {
             eos: self.eos.clone(),
             matcher_eos: self.matcher_eos,
             width: self.width,
+            error: None,
         })
     }
 }
 
-/// One sequence's matcher: the mask before each token, then the token.
+/// One sequence's matcher: the mask before each token (and after each draft the runner
+/// proposes), then the token it emitted. Its first failure is kept and fails the request.
 pub struct Guide {
     matcher: Matcher,
     eos: Arc<[u32]>,
     matcher_eos: u32,
     width: usize,
+    error: Option<String>,
 }
 
 impl Clone for Guide {
@@ -119,6 +122,7 @@ impl Clone for Guide {
             eos: self.eos.clone(),
             matcher_eos: self.matcher_eos,
             width: self.width,
+            error: self.error.clone(),
         }
     }
 }
@@ -127,18 +131,22 @@ impl std::fmt::Debug for Guide {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Guide")
             .field("stopped", &self.matcher.is_stopped())
+            .field("error", &self.error)
             .finish()
     }
 }
 
 impl Guide {
     /// The tokens allowed next. Where the grammar may end, every end-of-sequence id is allowed
-    /// (the model ends a chat turn with its own).
-    pub fn mask(&mut self) -> Result<TokenMask, String> {
-        let vob = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| e.to_string())?;
+    /// (the model ends a chat turn with its own). A matcher that fails allows nothing.
+    pub fn mask(&mut self) -> TokenMask {
+        if self.error.is_some() {
+            return self.nothing();
+        }
+        let vob = match self.matcher.compute_mask_or_eos() {
+            Ok(v) => v,
+            Err(e) => return self.fail(e.to_string()),
+        };
         let words32 = vob.as_slice();
         let mut words: Vec<u64> = words32
             .chunks(2)
@@ -151,21 +159,103 @@ impl Guide {
                 mask.allow(e);
             }
         }
-        Ok(mask)
+        mask
     }
 
-    /// Follows an emitted token (any end-of-sequence id counts as the matcher's own).
-    pub fn advance(&mut self, token: u32) -> Result<(), String> {
-        let token = if self.eos.contains(&token) {
-            self.matcher_eos
-        } else {
-            token
+    /// The mask after `path` (draft tokens), the matcher left where it was: it takes the path,
+    /// answers, and rolls back. A path the grammar refuses gets a mask allowing nothing.
+    pub fn mask_after(&mut self, path: &[u32]) -> TokenMask {
+        if path.is_empty() || self.error.is_some() {
+            return self.mask();
+        }
+        let path = self.matcher_tokens(path);
+        let taken = match self.matcher.try_consume_tokens(&path) {
+            Ok(n) => n,
+            Err(e) => return self.fail(e.to_string()),
         };
-        self.matcher.consume_token(token).map_err(|e| e.to_string())
+        let mask = if taken == path.len() {
+            self.mask()
+        } else {
+            self.nothing()
+        };
+        if let Err(e) = self.matcher.rollback(taken) {
+            return self.fail(e.to_string());
+        }
+        mask
+    }
+
+    /// How many of `drafts`, in order, the grammar admits (the matcher does not move).
+    pub fn admits(&mut self, drafts: &[u32]) -> usize {
+        if drafts.is_empty() || self.error.is_some() {
+            return 0;
+        }
+        let drafts = self.matcher_tokens(drafts);
+        match self.matcher.validate_tokens(&drafts) {
+            Ok(n) => n,
+            Err(e) => {
+                self.fail(e.to_string());
+                0
+            }
+        }
+    }
+
+    /// Follows an emitted token (any end-of-sequence id counts as the matcher's own). A token
+    /// it refuses is a failure (the mask allowed it, so this is a bug or a lost matcher).
+    pub fn advance(&mut self, token: u32) {
+        if self.error.is_some() {
+            return;
+        }
+        let token = self.matcher_tokens(&[token])[0];
+        if let Err(e) = self.matcher.consume_token(token) {
+            self.fail(e.to_string());
+        }
     }
 
     /// The grammar is complete and admits nothing more.
     pub fn finished(&self) -> bool {
-        self.matcher.is_stopped()
+        self.error.is_none() && self.matcher.is_stopped()
+    }
+
+    /// Why the matcher failed, if it did.
+    pub fn error(&self) -> Option<&str> {
+        self.error.as_deref()
+    }
+
+    fn matcher_tokens(&self, tokens: &[u32]) -> Vec<u32> {
+        tokens
+            .iter()
+            .map(|t| {
+                if self.eos.contains(t) {
+                    self.matcher_eos
+                } else {
+                    *t
+                }
+            })
+            .collect()
+    }
+
+    fn nothing(&self) -> TokenMask {
+        TokenMask::allowing(self.width, [])
+    }
+
+    fn fail(&mut self, e: String) -> TokenMask {
+        self.error.get_or_insert(e);
+        self.nothing()
+    }
+}
+
+/// The runner's view of a guide: shared with the step, which asks it from its own thread while
+/// the forward runs.
+impl TokenGuide for Mutex<Guide> {
+    fn admits(&self, drafts: &[u32]) -> usize {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admits(drafts)
+    }
+
+    fn mask_after(&self, path: &[u32]) -> TokenMask {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .mask_after(path)
     }
 }

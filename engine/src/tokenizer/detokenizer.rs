@@ -24,6 +24,10 @@ impl IncrementalDecoder {
 
     /// Adds one token; returns the text it completes, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        // Kept special tokens are markers inside the text; the one that ends it is not text.
+        if !self.skip_special && tok.is_eos(id) {
+            return Ok(None);
+        }
         self.ids.push(id);
         let prefix = tok.decode(
             &self.ids[self.prefix_offset..self.read_offset],

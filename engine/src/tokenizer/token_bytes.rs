@@ -10,6 +10,16 @@ use super::Tokenizer;
 pub const SPECIAL_MARKER: u8 = 0xFF;
 
 impl Tokenizer {
+    /// The id of the special token whose text is exactly `text`: a marker a grammar must name
+    /// by id, since spelling it would never produce it.
+    pub fn special_id(&self, text: &str) -> Option<u32> {
+        self.inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .find(|(_, a)| a.special && a.content == text)
+            .map(|(id, _)| id)
+    }
+
     /// The bytes of every id below `vocab_size()`: byte-level BPE entries mapped back through
     /// GPT-2's byte alphabet, SentencePiece entries with `▁` as a space and `<0xNN>` as one byte,
     /// special tokens as the marker followed by their text.

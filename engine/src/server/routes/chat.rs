@@ -177,7 +177,13 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
         let mut p = plan(&req.knobs(), max_tokens, tops, &lim)?;
         let tools = Tools::of(&req, ready.tool_parser)?;
         p.params.guide = constraints::guide(&ready, &req.constraint_fields())?;
-        if let Some(c) = tools.as_ref().map(Tools::constraint).transpose()?.flatten() {
+        let special = |marker: &str| ready.model.tokenizer.special_id(marker);
+        if let Some(c) = tools
+            .as_ref()
+            .map(|t| t.constraint(&special))
+            .transpose()?
+            .flatten()
+        {
             if p.params.guide.is_some() {
                 return Err(ApiError::invalid(
                     "tool_choice",
@@ -186,6 +192,7 @@ async fn run(state: &Shared, raw: Result<Bytes, BytesRejection>) -> Result<Respo
             }
             p.params.guide = Some(constraints::compile(&ready, "tool_choice", &c)?);
         }
+        p.params.keep_special = tools.as_ref().is_some_and(Tools::keeps_special);
         let defs = tools.as_ref().map(Tools::template_values);
         let ids = chat_prompt(&ready, &req.messages, defs.as_deref())?;
         Ok((ready, tops, p, ids, tools.filter(Tools::parses)))

@@ -190,24 +190,134 @@ fn formats_resolve_by_flag_or_template_markers() {
     assert_eq!(resolve(None, Some("plain chat")), Ok(None));
 }
 
+/// The formats' markers, as special tokens of a byte-per-token vocabulary.
+const MARKERS: &[&str] = &[
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+];
+
+/// A matcher for `grammar` over bytes 0..=254 (ids = byte values), an end token (255) and the
+/// markers as special tokens (256 on).
+fn byte_matcher(grammar: &str) -> llguidance::Matcher {
+    use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
+    let mut words: Vec<Vec<u8>> = (0..=254u8).map(|b| vec![b]).collect();
+    words.push(b"\xFF<end>".to_vec());
+    words.extend(
+        MARKERS
+            .iter()
+            .map(|m| std::iter::once(0xFF).chain(m.bytes()).collect()),
+    );
+    let info = TokRxInfo::new(words.len() as u32, 255);
+    let env: llguidance::toktrie::TokEnv =
+        std::sync::Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+    let factory = llguidance::ParserFactory::new_simple(&env).expect("factory");
+    let parser = factory
+        .create_parser(llguidance::api::TopLevelGrammar::from_lark(grammar.into()))
+        .expect("the grammar compiles");
+    llguidance::Matcher::new(Ok(parser))
+}
+
+/// `text` in that vocabulary, markers as their special tokens when `special`.
+fn byte_tokens(text: &str, special: bool) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut rest = text.as_bytes();
+    'outer: while let Some(&first) = rest.first() {
+        if special {
+            for (i, m) in MARKERS.iter().enumerate() {
+                if let Some(after) = rest.strip_prefix(m.as_bytes()) {
+                    out.push(256 + i as u32);
+                    rest = after;
+                    continue 'outer;
+                }
+            }
+        }
+        out.push(u32::from(first));
+        rest = &rest[1..];
+    }
+    out
+}
+
 #[test]
-fn a_forced_call_is_a_grammar_over_the_tools_schemas() {
-    let mut t = tools("qwen");
-    t.choice = Choice::Named("get_weather".into());
-    let Some(Constraint::Lark(g)) = t.constraint().expect("constraint") else {
+fn a_forced_call_is_the_format_each_parser_reads() {
+    for (parser, sample) in samples() {
+        // The call alone: no text before it, no `<|python_tag|>` (Llama 3.1 writes custom
+        // tools' calls as bare JSON).
+        let call = sample
+            .trim_start_matches("Let me check.\n")
+            .trim_start_matches("<|python_tag|>");
+        let mut t = tools(parser);
+        t.choice = Choice::Named("get_weather".into());
+        for special in [true, false] {
+            let lookup = |m: &str| {
+                MARKERS
+                    .iter()
+                    .position(|k| *k == m)
+                    .filter(|_| special)
+                    .map(|i| 256 + i as u32)
+            };
+            let Some(Constraint::Lark(g)) = t.constraint(&lookup).expect("a grammar") else {
+                panic!("{parser}: no grammar");
+            };
+            let mut m = byte_matcher(&g);
+            m.consume_tokens(&byte_tokens(call, special))
+                .unwrap_or_else(|e| panic!("{parser} (special {special}): {e}\n{g}"));
+            assert!(
+                m.is_accepting().expect("matcher"),
+                "{parser}: the call does not complete the grammar\n{g}"
+            );
+            // Another tool's name, or arguments against the schema, are refused.
+            for wrong in [
+                call.replace("get_weather", "get_westher"),
+                call.replace("\"Paris\"", "3"),
+            ] {
+                let mut m = byte_matcher(&g);
+                let tokens = byte_tokens(&wrong, special);
+                let taken = m.validate_tokens(&tokens).expect("matcher");
+                assert!(taken < tokens.len(), "{parser}: accepted {wrong:?}");
+            }
+        }
+        let (_, calls) = parse_complete(&t, call);
+        assert_eq!(calls.len(), 1, "{parser}: {call:?} does not parse");
+    }
+}
+
+#[test]
+fn required_with_parallel_calls_repeats_the_call_and_auto_forces_nothing() {
+    let mut t = tools("kimik2");
+    t.choice = Choice::Required;
+    let none = |_: &str| None;
+    let Some(Constraint::Lark(g)) = t.constraint(&none).expect("a grammar") else {
         panic!("no grammar");
     };
-    assert!(
-        g.contains("<tool_call>") && g.contains("\"const\":\"get_weather\""),
-        "{g}"
+    let one = "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>";
+    let two = format!(
+        "<|tool_calls_section_begin|>{one}{}<|tool_calls_section_end|>",
+        one.replace(":0", ":1")
     );
-    t.parser = "kimik2";
-    assert!(
-        t.constraint().is_err(),
-        "only the hermes format is forced so far"
-    );
+    let mut m = byte_matcher(&g);
+    m.consume_tokens(&byte_tokens(&two, false))
+        .unwrap_or_else(|e| panic!("{e}\n{g}"));
+    assert!(m.is_accepting().expect("matcher"));
+    t.parallel = false;
+    let Some(Constraint::Lark(g)) = t.constraint(&none).expect("a grammar") else {
+        panic!("no grammar");
+    };
+    let mut m = byte_matcher(&g);
+    let tokens = byte_tokens(&two, false);
+    assert!(m.validate_tokens(&tokens).expect("matcher") < tokens.len());
     t.choice = Choice::Auto;
-    assert_eq!(t.constraint().expect("auto"), None);
+    assert_eq!(t.constraint(&none).expect("auto"), None);
 }
 
 #[test]
