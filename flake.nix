@@ -19,6 +19,8 @@
         "aarch64-linux"
       ];
       gitRev = self.shortRev or self.dirtyShortRev or "unknown";
+      # The pinned inputs the build comes from, recorded in the lock's fingerprint.
+      pinnedInputs = "nixpkgs=${nixpkgs.rev or "unpinned"};crane=${crane.rev or "unpinned"}";
 
       # patches/series: one patch per line, applied in order. `crates/NAME-VERSION/*.patch` patch that
       # vendored crate (policy: patches/README.md; `.ci/nix-checks.sh` checks that each applies).
@@ -48,7 +50,10 @@
             inherit system;
             config.allowUnfree = true;
           };
-          cuda = pkgsUnfree.cudaPackages_13_2;
+          # CUDA 13.0: the release whose NVRTC and ptxas CI compiles every kernel with
+          # (.ci/cuda-kernels.sh), and the oldest 13.x, so the 580 drivers run its PTX (a newer
+          # NVRTC than the driver's CUDA level writes PTX the driver cannot load).
+          cuda = pkgsUnfree.cudaPackages_13_0;
           craneLib = crane.mkLib pkgs;
 
           # Cargo sources plus what cleanCargoSource would drop: prompt sets, templates, fixtures.
@@ -80,14 +85,22 @@
                     patches = (old.patches or [ ]) ++ patches;
                   });
             };
-            env.KILN_GIT_REV = gitRev;
             # The vendored crates above carry the series: the binary may record it (engine/build.rs).
             env.KILN_PATCHES_APPLIED = "1";
           };
+          # Dependencies are built once per Cargo.lock (and patch series): nothing here changes
+          # with a commit. The revision and the pinned inputs reach only the final binary.
           cargoArtifacts = craneLib.buildDepsOnly commonArgs;
+          identity = {
+            env = commonArgs.env // {
+              KILN_GIT_REV = gitRev;
+              KILN_PINNED_INPUTS = pinnedInputs;
+            };
+          };
 
           kiln = craneLib.buildPackage (
             commonArgs
+            // identity
             // {
               inherit cargoArtifacts;
               # The tests need the real models and Python clients: checks.nextest runs them.
@@ -103,6 +116,7 @@
           };
           kiln-cuda = craneLib.buildPackage (
             cudaArgs
+            // identity
             // {
               cargoArtifacts = craneLib.buildDepsOnly cudaArgs;
               doCheck = false;
@@ -110,7 +124,7 @@
               # autoAddDriverRunpath); cudarc dlopens NVRTC, cuBLAS and NCCL, found through the wrapper.
               nativeBuildInputs = [
                 pkgs.makeWrapper
-                cuda.autoAddDriverRunpath
+                pkgs.autoAddDriverRunpath
               ];
               postInstall = ''
                 wrapProgram $out/bin/kiln --prefix LD_LIBRARY_PATH : ${

@@ -10,7 +10,21 @@ PREFIX=${1:-${KILN_CI_CACHE:-$HOME/.cache/kiln-ci}/nix}
 if [ -x "$PREFIX/bin/nix" ] && "$PREFIX/bin/nix" --version >/dev/null 2>&1; then
   echo "$PREFIX/bin"; exit 0
 fi
-W=$(mktemp -d /tmp/kiln-nix-install.XXXXXX)
+# A Nix of its own (NixOS, a Nix install) that is new enough serves as it is.
+if command -v nix >/dev/null 2>&1; then
+  have=$(nix --version | grep -o -E '[0-9]+\.[0-9]+' | head -n1)
+  if [ -n "$have" ] && [ "$(printf '%s\n2.18\n' "$have" | sort -V | head -n1)" = 2.18 ]; then
+    mkdir -p "$PREFIX/bin"
+    for prog in nix nix-instantiate nix-build nix-store nix-hash nix-env; do
+      printf '#!/bin/sh\nexec %s --extra-experimental-features "nix-command flakes" "$@"\n' \
+        "$(command -v $prog)" > "$PREFIX/bin/$prog"
+      chmod +x "$PREFIX/bin/$prog"
+    done
+    echo "$PREFIX/bin"; exit 0
+  fi
+fi
+command -v apt-get >/dev/null || { echo "install-nix: no Nix >= 2.18 and no apt-get to fetch one" >&2; exit 1; }
+W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 mkdir -p "$W/lists/partial" "$W/cache/archives/partial" "$W/debs" "$PREFIX/root" "$PREFIX/bin"
 MIRROR=$(grep -h -m1 -E '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}' | head -n1 || true)

@@ -26,6 +26,10 @@ let
     lib.elem "nvidia" (config.services.xserver.videoDrivers or [ ])
     || (config.hardware.nvidia.datacenter.enable or false);
   persistenced = nvidiaDriver && (config.hardware.nvidia.nvidiaPersistenced or false);
+  # kiln's CUDA package is CUDA 13.0 (flake.nix): its NVRTC writes PTX that drivers before 580
+  # cannot load.
+  driverVersion = config.hardware.nvidia.package.version or null;
+  minDriver = "580";
 
   # One ExecStart= argument taken literally: JSON string quoting is systemd's double-quote syntax;
   # `%` (specifiers) and `$` (variables) are doubled so neither touches a path.
@@ -57,6 +61,23 @@ let
       "::1"
       "localhost"
     ];
+  # A wildcard address takes the port on every address, so it clashes with any other bind of it.
+  isWildcard =
+    h:
+    lib.elem h [
+      "0.0.0.0"
+      "::"
+      "*"
+      ""
+    ];
+  sameAddress = a: b: a == b || (isLoopback a && isLoopback b);
+  clash =
+    a: b: a.port == b.port && (isWildcard a.host || isWildcard b.host || sameAddress a.host b.host);
+
+  # A secret or an environment file: an absolute path kept out of the store. A string, so a path
+  # literal (which Nix would copy into the world-readable store) is a type error.
+  outsideStore = types.strMatching "/.+";
+  inStore = p: p != null && lib.hasPrefix "${builtins.storeDir}/" p;
 
   ncclOptions = {
     p2pLevel = mkOption {
@@ -166,6 +187,8 @@ let
             A lock from `kiln lock create`. The service runs exactly it (`kiln serve --lock`): its model,
             settings and environment, after checking the machine against its fingerprint. `model` and
             `settings` must then stay unset: a different configuration is a new sweep and a new lock.
+            The lock is copied into the store and is part of the system closure, so it survives
+            garbage collection, remote deploys and rollbacks with the generation that uses it.
           '';
         };
         driftPolicy = mkOption {
@@ -178,16 +201,21 @@ let
           default = null;
           description = "With a lock: on drift from its fingerprint, serve anyway (warn) or fail the start (refuse). Default: the lock's own policy.";
         };
+        skipModelHash = mkOption {
+          type = types.bool;
+          default = false;
+          description = "With a lock: skip hashing the model at start (`--skip-model-hash`); a model of hundreds of GB takes minutes to hash. The size is still checked.";
+        };
         canary = mkOption {
           type = types.bool;
           default = false;
           description = "With a lock: after warm-up, run a short benchmark and compare it with the locked numbers before reporting ready.";
         };
         model = mkOption {
-          type = types.nullOr (types.either types.path types.package);
+          type = types.nullOr (types.either types.package outsideStore);
           default = null;
           example = literalExpression "kiln.packages.x86_64-linux.default-model";
-          description = "Without a lock: the model, a .gguf file, a Hugging Face directory, or a package holding one.";
+          description = "Without a lock: the model, a package holding one, or an absolute path (a string: a model of hundreds of GB is never copied into the store) to a .gguf file or a Hugging Face directory.";
         };
         settings = mkOption {
           type = types.attrsOf (
@@ -225,10 +253,16 @@ let
           description = "Open the port in the firewall (needs a non-loopback host).";
         };
         apiKeyFile = mkOption {
-          type = types.nullOr types.path;
+          type = types.nullOr outsideStore;
           default = null;
           example = "/run/secrets/kiln-api-key";
-          description = "A file holding the API key clients must send as a Bearer token; handed to the service as a systemd credential, so it may be readable by root only and never enters the store.";
+          description = "The absolute path (a string, never a path literal, which would copy the secret into the world-readable store) of a file holding the API key clients must send as a Bearer token; handed to the service as a systemd credential, so it may be readable by root only.";
+        };
+        environmentFile = mkOption {
+          type = types.nullOr outsideStore;
+          default = null;
+          example = "/run/secrets/kiln.env";
+          description = "The absolute path (a string, kept out of the store) of an environment file systemd reads at start (EnvironmentFile=): secrets such as HF_TOKEN, or site-specific NCCL variables.";
         };
         gpus = mkOption {
           type = types.listOf types.ints.unsigned;
@@ -243,7 +277,7 @@ let
             6
             7
           ];
-          description = "GPU indices the instance uses (CUDA_VISIBLE_DEVICES). Non-empty: the unit gets the NVIDIA device nodes and orders after nvidia-persistenced.";
+          description = "GPU indices the instance uses, in PCI bus order (CUDA_DEVICE_ORDER=PCI_BUS_ID, as nvidia-smi numbers them; CUDA_VISIBLE_DEVICES). Non-empty: the unit gets exactly these GPUs' device nodes (/dev/nvidiaN) and orders after nvidia-persistenced. Two instances never share a GPU.";
         };
         nccl = mkOption {
           type = types.submodule { options = ncclOptions; };
@@ -279,6 +313,17 @@ let
     name: i:
     let
       lock = if i.lockFile == null then null else builtins.fromTOML (builtins.readFile i.lockFile);
+      # The lock as a store path with its string context: the unit depends on it, so it is in the
+      # system closure (a plain path string would point outside the store).
+      lockInStore =
+        if i.lockFile == null then
+          null
+        else
+          "${builtins.path {
+            path = i.lockFile;
+            name = "kiln-${name}.lock";
+          }}";
+      multiGpu = lib.length i.gpus > 1;
       locked = key: if lock == null then null else lock.serve.${key} or null;
       host =
         if i.host != null then
@@ -295,6 +340,7 @@ let
         else
           8000;
       lockEnv = if lock == null then { } else lock.env or { };
+      env = instanceEnv name i lockEnv;
       configFile = pkgs.writeText "kiln-${name}.toml" (renderSettings i.settings);
       args = [
         "${i.package}/bin/kiln"
@@ -306,8 +352,9 @@ let
         if lock != null then
           [
             "--lock"
-            i.lockFile
+            lockInStore
           ]
+          ++ lib.optional i.skipModelHash "--skip-model-hash"
           ++ lib.optionals (i.driftPolicy != null) [
             "--drift-policy"
             i.driftPolicy
@@ -336,23 +383,41 @@ let
     {
       inherit
         lock
+        lockInStore
         host
         port
         lockEnv
         args
+        multiGpu
+        env
         ;
       gpu = i.gpus != [ ];
-      env =
-        lockEnv
-        // ncclEnv i.nccl
-        // lib.optionalAttrs (i.gpus != [ ]) {
-          CUDA_VISIBLE_DEVICES = lib.concatMapStringsSep "," toString i.gpus;
-        }
-        // {
-          KILN_CACHE_DIR = "/var/cache/kiln/${name}";
-        }
-        // i.environment;
+      # NCCL's bootstrap is a TCP exchange between the ranks of this one box: over loopback it
+      # stays inside the unit's IP filter (set NCCL_SOCKET_IFNAME to use another interface).
+      ncclBootstrapOnLoopback = multiGpu && (env.NCCL_SOCKET_IFNAME or "lo") == "lo";
     };
+
+  instanceEnv =
+    name: i: lockEnv:
+    let
+      multiGpu = lib.length i.gpus > 1;
+    in
+    lib.optionalAttrs multiGpu { NCCL_SOCKET_IFNAME = "lo"; }
+    // lockEnv
+    // ncclEnv i.nccl
+    // lib.optionalAttrs (i.gpus != [ ]) {
+      # The indices count as nvidia-smi and /dev/nvidiaN do, whatever CUDA would rank fastest.
+      CUDA_DEVICE_ORDER = "PCI_BUS_ID";
+      CUDA_VISIBLE_DEVICES = lib.concatMapStringsSep "," toString i.gpus;
+      # The driver's JIT cache (PTX compiled for this GPU) in the instance's cache directory, so a
+      # restart reuses it instead of compiling every kernel again.
+      CUDA_CACHE_PATH = "/var/cache/kiln/${name}/cuda-jit";
+      CUDA_CACHE_MAXSIZE = "1073741824";
+    }
+    // {
+      KILN_CACHE_DIR = "/var/cache/kiln/${name}";
+    }
+    // i.environment;
 
   resolved = lib.mapAttrs resolve enabled;
 
@@ -394,6 +459,14 @@ let
         RestartSteps = 5;
         RestartMaxDelaySec = 300;
         LimitMEMLOCK = "infinity";
+        # A core dump of a process holding hundreds of GB of weights would fill the disk and
+        # stall the restart; CUDA and NCCL open many descriptors per GPU.
+        LimitCORE = 0;
+        LimitNOFILE = 1048576;
+        # Loading logs a burst (a line per shard, NCCL's INFO lines at start): keep it all.
+        LogRateLimitIntervalSec = "30s";
+        LogRateLimitBurst = 20000;
+        EnvironmentFile = lib.optional (i.environmentFile != null) i.environmentFile;
         DynamicUser = true;
         StateDirectory = "kiln/${name}";
         CacheDirectory = "kiln/${name}";
@@ -425,29 +498,37 @@ let
         CapabilityBoundingSet = "";
         AmbientCapabilities = "";
         SystemCallArchitectures = "native";
+        # NCCL binds each rank's threads and memory to its GPU's NUMA node (sched_setaffinity,
+        # set_mempolicy, mbind: the @resources set), so a unit with more than one GPU keeps them.
         SystemCallFilter = [
           "@system-service"
-          "~@privileged @resources"
+          (if r.multiGpu then "~@privileged" else "~@privileged @resources")
         ];
         SystemCallErrorNumber = "EPERM";
+        # NCCL enumerates interfaces over netlink for its bootstrap.
         RestrictAddressFamilies = [
           "AF_INET"
           "AF_INET6"
           "AF_UNIX"
-        ];
+        ]
+        ++ lib.optional r.multiGpu "AF_NETLINK";
         DevicePolicy = "closed";
         # The GPU needs its device nodes (PrivateDevices would hide them), and the CUDA driver
         # JIT-compiles kernels into executable memory, so MemoryDenyWriteExecute stays off with one.
         PrivateDevices = !r.gpu;
         MemoryDenyWriteExecute = !r.gpu;
-        DeviceAllow = lib.optionals r.gpu [
-          "char-nvidiactl rw"
-          "char-nvidia-caps rw"
-          "char-nvidia-frontend rw"
-          "char-nvidia-uvm rw"
-        ];
+        # The control and unified-memory nodes every CUDA process opens, and only this
+        # instance's own GPUs (another instance's are not even visible).
+        DeviceAllow =
+          lib.optionals r.gpu [
+            "/dev/nvidiactl rw"
+            "char-nvidia-caps rw"
+            "char-nvidia-uvm rw"
+          ]
+          ++ map (n: "/dev/nvidia${toString n} rw") i.gpus;
       }
-      // lib.optionalAttrs (isLoopback r.host) {
+      # Loopback-only: the API and, with several GPUs, NCCL's bootstrap (over `lo`) stay inside.
+      // lib.optionalAttrs (isLoopback r.host && (!r.multiGpu || r.ncclBootstrapOnLoopback)) {
         IPAddressAllow = "localhost";
         IPAddressDeny = "any";
       };
@@ -484,6 +565,10 @@ let
         message = "${at}: openFirewall is set but the instance binds ${r.host}; set host = \"0.0.0.0\" (with apiKeyFile) or drop openFirewall.";
       }
       {
+        assertion = !r.gpu || driverVersion == null || lib.versionAtLeast driverVersion minDriver;
+        message = "${at}: kiln's CUDA package is CUDA 13.0, which needs NVIDIA driver ${minDriver} or newer; hardware.nvidia.package is ${toString driverVersion}.";
+      }
+      {
         assertion = !r.gpu || nvidiaDriver;
         message = "${at}: gpus = [ ${
           lib.concatMapStringsSep " " toString i.gpus
@@ -498,18 +583,54 @@ let
         }); the lock was measured with its values: re-run the sweep with the new ones or drop the options.";
       }
       {
+        assertion = !(inStore i.apiKeyFile || inStore i.environmentFile);
+        message = "${at}: apiKeyFile and environmentFile must lie outside the Nix store, which every user can read; keep secrets in /run/secrets or /etc with root-only permissions.";
+      }
+      {
+        assertion = i.lockFile != null || !i.skipModelHash;
+        message = "${at}: skipModelHash skips the lock's model hash check; set lockFile.";
+      }
+      {
+        assertion =
+          r.lock == null
+          || !(r.lock ? fingerprint)
+          || lib.length (r.lock.fingerprint.gpus or [ ]) == lib.length i.gpus;
+        message = "${at}: the lock was measured on ${
+          toString (lib.length (r.lock.fingerprint.gpus or [ ]))
+        } GPU(s) but gpus lists ${toString (lib.length i.gpus)}; give the instance the GPUs the lock was made on, or make a new lock.";
+      }
+      {
         assertion = !(i.settings ? host || i.settings ? port || i.settings ? api-key || i.settings ? model);
         message = "${at}: set host, port, model and the API key (apiKeyFile) through their own options, not settings.";
       }
     ];
 
-  portUsers = lib.foldlAttrs (
-    acc: name: _:
+  # Every pair of enabled instances, once.
+  pairs =
     let
-      key = "${resolved.${name}.host}:${toString resolved.${name}.port}";
+      names = lib.attrNames enabled;
     in
-    acc // { ${key} = (acc.${key} or [ ]) ++ [ name ]; }
-  ) { } enabled;
+    lib.concatLists (lib.imap0 (k: a: map (b: { inherit a b; }) (lib.drop (k + 1) names)) names);
+  pairAssertions = lib.concatMap (
+    { a, b }:
+    let
+      ra = resolved.${a};
+      rb = resolved.${b};
+      shared = lib.intersectLists enabled.${a}.gpus enabled.${b}.gpus;
+    in
+    [
+      {
+        assertion = !(clash ra rb);
+        message = "services.kiln.instances: ${a} (${ra.host}:${toString ra.port}) and ${b} (${rb.host}:${toString rb.port}) both bind port ${toString ra.port}.";
+      }
+      {
+        assertion = shared == [ ];
+        message = "services.kiln.instances: ${a} and ${b} share GPU(s) ${
+          lib.concatMapStringsSep ", " toString shared
+        }; each GPU serves one instance.";
+      }
+    ]
+  ) pairs;
 in
 {
   options.services.kiln = {
@@ -535,12 +656,7 @@ in
   };
 
   config = lib.mkIf (enabled != { }) {
-    assertions =
-      lib.concatLists (lib.mapAttrsToList instanceAssertions enabled)
-      ++ lib.mapAttrsToList (addr: names: {
-        assertion = lib.length names == 1;
-        message = "services.kiln.instances: ${lib.concatStringsSep " and " names} both bind ${addr}.";
-      }) portUsers;
+    assertions = lib.concatLists (lib.mapAttrsToList instanceAssertions enabled) ++ pairAssertions;
     warnings = lib.concatLists (
       lib.mapAttrsToList (
         name: i:

@@ -2,14 +2,16 @@
 # The per-token cost of constrained decoding: kiln serve on MODEL, the same requests with and
 # without a JSON schema, at C = 1 and C = 16, in one run. The schema (an array of at least 100
 # short strings) never completes within max_tokens, so every request, constrained or not, makes
-# exactly TOKENS tokens and the rates compare token for token.
+# exactly TOKENS tokens and the rates compare token for token. Twice, in one run: without
+# speculation, and with n-gram drafts (which guided requests check against their grammar).
 #   bash engine/benches/constrained.sh [MODEL]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 TOKENS=${TOKENS:-64}
 cargo build --release --quiet
-./target/release/kiln serve --model "$MODEL" --port 18311 --served-model-name m >/dev/null 2>&1 &
+bench() {
+./target/release/kiln serve --model "$MODEL" --port 18311 --served-model-name m "$@" >/dev/null 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true' EXIT
 for _ in $(seq 600); do curl -sf http://127.0.0.1:18311/ready >/dev/null && break; sleep 0.2; done
@@ -53,3 +55,9 @@ for c in (1, 16):
           f"JSON schema {' / '.join(f'{x:.1f}' for x in held)} tok/s, "
           f"ratio {sum(held) / sum(free):.3f}")
 PY
+kill $pid; wait $pid 2>/dev/null || true
+}
+echo "== without speculation"
+bench
+echo "== n-gram speculation (fixed policy)"
+bench --speculative-algorithm ngram --speculative-policy fixed

@@ -28,6 +28,7 @@ Results: a table on stdout, DIR/e2e.json. Exit 1 when a parity case fails.
 import argparse
 import json
 import os
+import tempfile
 import re
 import signal
 import socket
@@ -318,7 +319,7 @@ def main():
     ap.add_argument("--skip-speed", action="store_true")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    root = Path(os.environ.get("KILN_GPU_MODELS", "/tmp/kiln-gpu-models"))
+    root = Path(os.environ.get("KILN_GPU_MODELS") or Path(tempfile.gettempdir()) / "kiln-gpu-models")
     log(f"parity: tokens equal up to near-ties (top-2 gap <= {TIE}); logprobs within {LOGPROB_TOL}")
     results = {"tie": TIE, "logprob_tol": LOGPROB_TOL, "parity": []}
     for name, cfg in tiny_configs().items():

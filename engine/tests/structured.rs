@@ -248,10 +248,11 @@ fn bad_constraints_are_400s_naming_their_field_and_null_means_default() {
 }
 
 #[test]
-fn json_schema_requests_at_c16_with_ngram_speculation_equal_plain_decoding() {
+fn json_schema_requests_at_c16_with_ngram_chains_and_eagle3_trees_equal_plain_decoding() {
     // Every request is guided, so every draft is a guided sequence's: checked against its
     // grammar, verified under its row's mask, the matcher following only what stands. Every
-    // reply must equal the server without speculation.
+    // reply must equal the server without speculation, with n-gram chains and with EAGLE-3
+    // trees (a tree node the grammar refuses is never reached).
     let schema = json!({"type": "object", "properties": {
         "title": {"type": "string", "maxLength": 40}, "tags": {"type": "array",
         "items": {"type": "string", "maxLength": 12}, "maxItems": 4}},
@@ -300,14 +301,47 @@ fn json_schema_requests_at_c16_with_ngram_speculation_equal_plain_decoding() {
         got.iter().any(|c| c["finish_reason"] == "stop"),
         "no reply ended by itself"
     );
-    assert!(
-        spec.metric("kiln_spec_draft_tokens_total") > 0.0,
-        "guided sequences drafted nothing"
-    );
-    assert!(
-        spec.metric("kiln_spec_accepted_tokens_total") > 0.0,
-        "no guided draft was accepted"
-    );
+    let drafted = |s: &Server, what: &str| {
+        assert!(
+            s.metric("kiln_spec_draft_tokens_total") > 0.0,
+            "{what}: guided sequences drafted nothing"
+        );
+        assert!(
+            s.metric("kiln_spec_accepted_tokens_total") > 0.0,
+            "{what}: no guided draft was accepted"
+        );
+    };
+    drafted(&spec, "n-gram");
+    drop(spec);
+
+    // A small-vocabulary EAGLE-3 head drafting JSON's punctuation as a tree.
+    let tok = common::smollm2_tokenizer();
+    let vocab: Vec<u32> = [",", " ", "\"", ":", " \""]
+        .iter()
+        .map(|t| tok.encode(t, false).expect("encode")[0])
+        .collect();
+    let dir = std::env::temp_dir().join(format!("kiln-guided-tree-{}", std::process::id()));
+    common::write_small_vocab_draft(&dir, &vocab);
+    let draft = dir.to_string_lossy().to_string();
+    let tree = Server::start(&[
+        "--served-model-name",
+        "m",
+        "--speculative-algorithm",
+        "eagle3",
+        "--speculative-draft-model-path",
+        &draft,
+        "--speculative-eagle-topk",
+        "3",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-num-draft-tokens",
+        "8",
+        "--speculative-policy",
+        "fixed",
+    ]);
+    assert_eq!(run(&tree), want, "EAGLE-3 tree");
+    drafted(&tree, "EAGLE-3 tree");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

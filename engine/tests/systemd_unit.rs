@@ -102,19 +102,32 @@ fn generated_units_verify_and_are_hardened() {
             "Environment=\"NCCL_P2P_LEVEL=SYS\"",
             "LoadCredential=api-key:",
             "--api-key-file ${CREDENTIALS_DIRECTORY}/api-key",
-            "serve --lock ",
+            "LimitCORE=0",
+            "LimitNOFILE=1048576",
+            "LogRateLimitBurst=",
         ] {
             assert!(
                 text.contains(directive),
                 "gpus={gpus}: no {directive}\n{text}"
             );
         }
+        assert!(
+            text.contains(&format!("serve --instance gpu{gpus} --lock ")),
+            "gpus={gpus}: no --instance before --lock\n{text}"
+        );
         if gpus > 0 {
             assert!(text.contains("After=network-online.target nvidia-persistenced.service"));
             assert!(text.contains("DeviceAllow=char-nvidia-uvm rw"));
             assert!(text.contains("PrivateDevices=no"));
+            assert!(text.contains("Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID"));
+            // Eight GPUs: NCCL's NUMA binding, netlink, and its bootstrap over loopback.
+            assert!(text.contains("SystemCallFilter=~@privileged\n"), "{text}");
+            assert!(text.contains(" AF_NETLINK\n"), "{text}");
+            assert!(text.contains("Environment=NCCL_SOCKET_IFNAME=lo"), "{text}");
         } else {
             assert!(text.contains("PrivateDevices=yes"));
+            assert!(text.contains("SystemCallFilter=~@privileged @resources\n"));
+            assert!(!text.contains("AF_NETLINK"));
             assert!(!text.contains("nvidia"));
         }
         let v = analyze(&["verify", &unit.to_string_lossy()]);
@@ -139,6 +152,33 @@ fn generated_units_verify_and_are_hardened() {
             "gpus={gpus}: exposure {score} > 2.0\n{report}"
         );
     }
+    // A binary under a home or temporary directory: the unit could not execute it.
+    for place in ["/tmp/kiln", "/home/op/kiln"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["systemd-unit", "--name", "t", "--exec", place])
+            .output()
+            .expect("kiln systemd-unit");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && err.contains("warning") && err.contains(place),
+            "{place}: {err}"
+        );
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "systemd-unit",
+            "--name",
+            "t",
+            "--exec",
+            "/usr/local/bin/kiln",
+        ])
+        .output()
+        .expect("kiln systemd-unit");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("warning"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let bad = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["systemd-unit", "--name", "no spaces"])
         .output()

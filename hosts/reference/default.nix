@@ -20,11 +20,19 @@ in
   imports = [ ../common.nix ];
   # The NVIDIA driver (and, in kiln's CUDA package, CUDA and NCCL) are unfree.
   nixpkgs.config.allowUnfree = true;
+  # Unfree packages are not on cache.nixos.org, so without another cache the first build compiles
+  # NCCL and patches CUDA locally (an hour or more). Flox's cache serves nixpkgs' own CUDA builds
+  # (announced with NVIDIA's redistribution agreement, 2025); it is checked after cache.nixos.org.
+  nix.settings = {
+    extra-substituters = [ "https://cache.flox.dev" ];
+    extra-trusted-public-keys = [ "flox-cache-public-1:7F4OyH7ZCnFhcze3fJdfyXYLQw/aV7GEed86nQ7IsOs=" ];
+  };
   networking.hostName = "kiln-reference";
 
   # The driver: the open kernel modules (required for Blackwell), persistence mode so the GPUs stay
   # initialised between processes (kiln-main orders after nvidia-persistenced.service), and the
-  # graphics stack only for /run/opengl-driver/lib, where the service finds libcuda.
+  # graphics stack only for /run/opengl-driver/lib, where the service finds libcuda. kiln's CUDA
+  # package is CUDA 13.0, which needs driver 580 or newer (the module asserts it).
   services.xserver.videoDrivers = [ "nvidia" ];
   hardware.graphics.enable = true;
   hardware.nvidia = {

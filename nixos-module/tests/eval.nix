@@ -7,84 +7,13 @@
 # Result: a list of { name, ok, got } records; .ci/nix-checks.sh fails on any ok = false.
 { lib }:
 let
-  fakePackage =
-    name: extra:
-    {
-      type = "derivation";
-      inherit name;
-      outPath = "/nix/store/00000000000000000000000000000000-${name}";
-    }
-    // extra;
-  kiln = fakePackage "kiln" { };
-  defaultModel = fakePackage "kiln-default-model" { modelFile = "SmolLM2-135M-Instruct.Q4_1.gguf"; };
-
-  # The NixOS options the module sets or reads, declared loosely so the module's own logic is what runs.
-  nixosStub =
-    { lib, ... }:
-    {
-      options = {
-        assertions = lib.mkOption {
-          type = lib.types.listOf lib.types.unspecified;
-          default = [ ];
-        };
-        warnings = lib.mkOption {
-          type = lib.types.listOf lib.types.str;
-          default = [ ];
-        };
-        systemd.services = lib.mkOption {
-          type = lib.types.attrsOf lib.types.unspecified;
-          default = { };
-        };
-        networking.firewall.allowedTCPPorts = lib.mkOption {
-          type = lib.types.listOf lib.types.port;
-          default = [ ];
-        };
-        services.xserver.videoDrivers = lib.mkOption {
-          type = lib.types.listOf lib.types.str;
-          default = [ ];
-        };
-        hardware.nvidia = lib.mkOption {
-          default = { };
-          type = lib.types.submodule {
-            freeformType = lib.types.lazyAttrsOf lib.types.anything;
-            options.datacenter.enable = lib.mkOption {
-              type = lib.types.bool;
-              default = false;
-            };
-            options.nvidiaPersistenced = lib.mkOption {
-              type = lib.types.bool;
-              default = false;
-            };
-          };
-        };
-      };
-      config = {
-        # Everything else a host sets (boot, fileSystems, ...) is accepted unchecked.
-        _module.freeformType = lib.types.lazyAttrsOf lib.types.anything;
-        _module.args.pkgs = {
-          writeText = name: text: builtins.toFile name text;
-          stdenv.hostPlatform.system = "x86_64-linux";
-        };
-        services.kiln.package = lib.mkDefault kiln;
-      };
-    };
-
-  # The flake as the hosts see it (`kiln` in specialArgs): packages only.
-  kilnFlake.packages.x86_64-linux = {
-    default = kiln;
-    cuda = fakePackage "kiln-cuda" { kilnCuda = true; };
-    default-model = defaultModel;
-  };
-  eval =
-    config:
-    (lib.evalModules {
-      specialArgs.kiln = kilnFlake;
-      modules = [
-        nixosStub
-        ../default.nix
-        config
-      ];
-    }).config;
+  inherit (import ./harness.nix { inherit lib; })
+    fakePackage
+    kiln
+    defaultModel
+    kilnFlake
+    eval
+    ;
 
   # 4. The committed hosts.
   reference = eval ../../hosts/reference;
@@ -157,7 +86,65 @@ let
         port = 8000;
       };
     };
+    wildcardPort = eval {
+      services.kiln.instances.a.host = "0.0.0.0";
+      services.kiln.instances.b.port = 8000;
+    };
+    sharedGpu = eval {
+      services.xserver.videoDrivers = [ "nvidia" ];
+      services.kiln.instances.a.gpus = [
+        0
+        1
+      ];
+      services.kiln.instances.b = {
+        gpus = [
+          1
+          2
+        ];
+        port = 8001;
+      };
+    };
+    lockGpuCount = eval {
+      services.xserver.videoDrivers = [ "nvidia" ];
+      services.kiln.instances.x = {
+        lockFile = ./gpu.lock;
+        gpus = lib.range 0 3;
+      };
+    };
+    oldDriver = eval {
+      services.xserver.videoDrivers = [ "nvidia" ];
+      hardware.nvidia.package = fakePackage "nvidia-x11" { version = "570.172.08"; };
+      services.kiln.instances.x.gpus = [ 0 ];
+    };
+    secretInStore = eval {
+      services.kiln.instances.x.apiKeyFile = "/nix/store/00000000000000000000000000000000-key";
+    };
+    skipHashWithoutLock = eval { services.kiln.instances.x.skipModelHash = true; };
   };
+
+  # 5. Two instances splitting the eight GPUs, on loopback, with a lock each way but no lock here.
+  split = eval {
+    services.xserver.videoDrivers = [ "nvidia" ];
+    services.kiln.instances.left = {
+      gpus = lib.range 0 3;
+      model = "/var/lib/kiln/models/left";
+      environmentFile = "/run/secrets/kiln-left.env";
+    };
+    services.kiln.instances.right = {
+      gpus = lib.range 4 7;
+      model = "/var/lib/kiln/models/right";
+      port = 8001;
+    };
+  };
+  left = split.systemd.services.kiln-left;
+  right = split.systemd.services.kiln-right;
+
+  # 6. Secrets and models as path literals would be copied into the store: type errors.
+  refused =
+    config:
+    !(builtins.tryEval (builtins.deepSeq (eval config).systemd.services.kiln-x.serviceConfig true))
+    .success;
+  lockStorePaths = lib.attrNames (builtins.getContext gpuSc.ExecStart);
   expectFailure =
     name: needle:
     let
@@ -234,16 +221,28 @@ in
     cpu.networking.firewall.allowedTCPPorts == [ ]
   ) cpu.networking.firewall.allowedTCPPorts)
 
+  (check "cpu: the tight syscall filter, no netlink" (
+    cpuSc.SystemCallFilter == [
+      "@system-service"
+      "~@privileged @resources"
+    ]
+    && !(lib.elem "AF_NETLINK" cpuSc.RestrictAddressFamilies)
+    && cpuSc.LimitCORE == 0
+  ) cpuSc.SystemCallFilter)
+
   (check "gpu: no assertion fails" (failed gpu == [ ]) (failed gpu))
   (check "gpu: no warning" (gpu.warnings == [ ]) gpu.warnings)
   (check "gpu: ordered after nvidia-persistenced" (
     lib.elem "nvidia-persistenced.service" gpuUnit.after
     && lib.elem "nvidia-persistenced.service" gpuUnit.wants
   ) gpuUnit.after)
-  (check "gpu: runs the lock with the canary"
-    (contains "\"--lock\" \"${toString ./gpu.lock}\" \"--canary\"" gpuSc.ExecStart)
-    gpuSc.ExecStart
-  )
+  (check "gpu: runs the lock, from the store, with the canary" (
+    contains "\"--lock\" \"${builtins.storeDir}/" gpuSc.ExecStart
+    && contains "-kiln-main.lock\" \"--canary\"" gpuSc.ExecStart
+  ) gpuSc.ExecStart)
+  (check "gpu: the lock is in the unit's closure (string context)" (lib.any (
+    p: lib.hasSuffix "-kiln-main.lock" p
+  ) lockStorePaths) lockStorePaths)
   (check "gpu: no settings flags beside the lock" (
     !(contains "--config" gpuSc.ExecStart) && !(contains "--host" gpuSc.ExecStart)
   ) gpuSc.ExecStart)
@@ -257,12 +256,41 @@ in
       gpuSc.ExecStart
     ]
   )
-  (check "gpu: device nodes" (
+  (check "gpu: device nodes: control, uvm and its own eight GPUs" (
     !gpuSc.PrivateDevices
     && !gpuSc.MemoryDenyWriteExecute
-    && lib.length gpuSc.DeviceAllow == 4
+    && lib.length gpuSc.DeviceAllow == 11
     && lib.elem "char-nvidia-uvm rw" gpuSc.DeviceAllow
+    && lib.elem "/dev/nvidiactl rw" gpuSc.DeviceAllow
+    && lib.elem "/dev/nvidia7 rw" gpuSc.DeviceAllow
+    && !(lib.elem "char-nvidia-frontend rw" gpuSc.DeviceAllow)
   ) gpuSc.DeviceAllow)
+  (check "gpu: PCI bus order, a JIT cache, NCCL bootstrap on loopback" (
+    gpuUnit.environment.CUDA_DEVICE_ORDER == "PCI_BUS_ID"
+    && gpuUnit.environment.CUDA_CACHE_PATH == "/var/cache/kiln/main/cuda-jit"
+    && gpuUnit.environment.NCCL_SOCKET_IFNAME == "lo"
+  ) gpuUnit.environment)
+  (check "gpu: NCCL's syscalls and netlink with eight GPUs"
+    (
+      gpuSc.SystemCallFilter == [
+        "@system-service"
+        "~@privileged"
+      ]
+      && lib.elem "AF_NETLINK" gpuSc.RestrictAddressFamilies
+    )
+    [
+      gpuSc.SystemCallFilter
+      gpuSc.RestrictAddressFamilies
+    ]
+  )
+  (check "gpu: no core dumps, many files, a chatty start kept"
+    (gpuSc.LimitCORE == 0 && gpuSc.LimitNOFILE >= 65536 && gpuSc.LogRateLimitBurst >= 10000)
+    [
+      gpuSc.LimitCORE
+      gpuSc.LimitNOFILE
+      gpuSc.LogRateLimitBurst
+    ]
+  )
   (check "gpu: CUDA_VISIBLE_DEVICES" (
     gpuUnit.environment.CUDA_VISIBLE_DEVICES == "0,1,2,3,4,5,6,7"
   ) gpuUnit.environment)
@@ -310,11 +338,59 @@ in
     && cpuHostUnit.serviceConfig.IPAddressDeny == "any"
   ) cpuHostUnit.serviceConfig.ExecStart)
 
+  (check "split: no assertion fails" (failed split == [ ]) (failed split))
+  (check "split: each instance sees and may open only its own GPUs"
+    (
+      left.environment.CUDA_VISIBLE_DEVICES == "0,1,2,3"
+      && right.environment.CUDA_VISIBLE_DEVICES == "4,5,6,7"
+      && lib.elem "/dev/nvidia3 rw" left.serviceConfig.DeviceAllow
+      && !(lib.elem "/dev/nvidia4 rw" left.serviceConfig.DeviceAllow)
+      && lib.elem "/dev/nvidia4 rw" right.serviceConfig.DeviceAllow
+      && !(lib.elem "/dev/nvidia0 rw" right.serviceConfig.DeviceAllow)
+    )
+    [
+      left.serviceConfig.DeviceAllow
+      right.serviceConfig.DeviceAllow
+    ]
+  )
+  (check "split: loopback-only with NCCL's bootstrap on lo" (
+    left.serviceConfig.IPAddressDeny == "any"
+    && left.serviceConfig.IPAddressAllow == "localhost"
+    && left.environment.NCCL_SOCKET_IFNAME == "lo"
+  ) left.serviceConfig)
+  (check "split: a model path as a string, never copied; an environment file" (
+    contains "\"--model\" \"/var/lib/kiln/models/left\"" left.serviceConfig.ExecStart
+    && left.serviceConfig.EnvironmentFile == [ "/run/secrets/kiln-left.env" ]
+    && right.serviceConfig.EnvironmentFile == [ ]
+  ) left.serviceConfig.EnvironmentFile)
+  (check "a secret as a path literal is refused (it would enter the store)" (refused {
+    services.kiln.instances.x.apiKeyFile = ./gpu.lock;
+  }) null)
+  (check "a model as a path literal is refused (it would enter the store)" (refused {
+    services.kiln.instances.x.model = ./gpu.lock;
+  }) null)
+  (check "skipModelHash reaches the command line" (contains "\"--skip-model-hash\""
+    (eval {
+      services.xserver.videoDrivers = [ "nvidia" ];
+      services.kiln.instances.x = {
+        lockFile = ./gpu.lock;
+        gpus = lib.range 0 7;
+        skipModelHash = true;
+      };
+    }).systemd.services.kiln-x.serviceConfig.ExecStart
+  ) null)
+
   (expectFailure "lockAndSettings" "lockFile fixes the model and every setting")
   (expectFailure "firewallOnLoopback" "openFirewall is set but the instance binds 127.0.0.1")
   (expectFailure "gpusWithoutDriver" "the NVIDIA driver is not enabled")
   (expectFailure "ncclAgainstLock" "NCCL_P2P_LEVEL=PHB differ from the lock's environment (NCCL_P2P_LEVEL=SYS)")
-  (expectFailure "samePort" "a and b both bind 127.0.0.1:8000")
+  (expectFailure "samePort" "a (127.0.0.1:8000) and b (127.0.0.1:8000) both bind port 8000")
+  (expectFailure "wildcardPort" "a (0.0.0.0:8000) and b (127.0.0.1:8000) both bind port 8000")
+  (expectFailure "sharedGpu" "a and b share GPU(s) 1")
+  (expectFailure "lockGpuCount" "the lock was measured on 8 GPU(s) but gpus lists 4")
+  (expectFailure "oldDriver" "needs NVIDIA driver 580 or newer")
+  (expectFailure "secretInStore" "must lie outside the Nix store")
+  (expectFailure "skipHashWithoutLock" "skipModelHash skips the lock's model hash check")
   (expectFailure "canaryWithoutLock" "canary and driftPolicy compare the machine with a lock")
   (expectFailure "hostInSettings" "not settings")
   (expectFailure "portAgainstLock" "host/port differ from the lock's")

@@ -62,6 +62,14 @@ fn quote(arg: &str) -> String {
     }
 }
 
+/// The directory a unit could not run a binary from: home directories (ProtectHome hides them)
+/// and temporary ones (PrivateTmp gives the service its own, empty /tmp).
+fn unreachable_dir(exec: &std::path::Path) -> Option<&'static str> {
+    ["/root", "/home", "/tmp", "/var/tmp", "/run/user"]
+        .into_iter()
+        .find(|d| exec.starts_with(d))
+}
+
 pub fn run(a: SystemdUnitArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         !a.name.is_empty()
@@ -78,11 +86,32 @@ pub fn run(a: SystemdUnitArgs) -> anyhow::Result<()> {
         Some(p) => Some(Lock::read(p).map_err(|e| anyhow::anyhow!(e))?),
         None => None,
     };
+    if let Some(dir) = unreachable_dir(&exec) {
+        eprintln!(
+            "kiln systemd-unit: warning: the binary {} is under {dir}, which the unit cannot \
+             execute from (ProtectHome, PrivateTmp); install it under /usr/local/bin or /opt \
+             and pass --exec",
+            exec.display()
+        );
+    }
+    let loopback = lock
+        .as_ref()
+        .and_then(|l| l.serve.get("host"))
+        .and_then(|v| v.as_str())
+        .is_none_or(|h| h == "127.0.0.1" || h == "::1" || h == "localhost");
     let gpu = a.gpu
         || lock
             .as_ref()
             .is_some_and(|l| !l.fingerprint.gpus.is_empty());
-    let mut args = vec![exec.display().to_string(), "serve".to_string()];
+    // More than one GPU means NCCL: its bootstrap, interface probing and NUMA binding.
+    let multi_gpu = lock.as_ref().is_some_and(|l| l.fingerprint.gpus.len() > 1);
+    // `--instance` names the service in the logs and the metrics, as the NixOS module passes it.
+    let mut args = vec![
+        exec.display().to_string(),
+        "serve".to_string(),
+        "--instance".to_string(),
+        a.name.clone(),
+    ];
     let mut read_paths = Vec::new();
     if let Some(p) = &a.lock {
         let p = absolute(p)?;
@@ -117,11 +146,6 @@ pub fn run(a: SystemdUnitArgs) -> anyhow::Result<()> {
         .and_then(|l| l.serve.get("shutdown-timeout"))
         .and_then(|v| v.as_integer())
         .unwrap_or(30);
-    let loopback = lock
-        .as_ref()
-        .and_then(|l| l.serve.get("host"))
-        .and_then(|v| v.as_str())
-        .is_none_or(|h| h == "127.0.0.1" || h == "::1" || h == "localhost");
 
     let mut u = String::new();
     let name = &a.name;
@@ -157,6 +181,16 @@ pub fn run(a: SystemdUnitArgs) -> anyhow::Result<()> {
     let _ = writeln!(u, "ExecStart={}", exec_line.join(" "));
     let _ = writeln!(u, "EnvironmentFile=-/etc/kiln/{name}.env");
     let _ = writeln!(u, "Environment=KILN_CACHE_DIR=%C/kiln/{name}");
+    if gpu {
+        // GPU indices count as nvidia-smi counts them; the driver's JIT cache survives restarts.
+        let _ = writeln!(u, "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID");
+        let _ = writeln!(u, "Environment=CUDA_CACHE_PATH=%C/kiln/{name}/cuda-jit");
+    }
+    let lock_sets = |k: &str| lock.as_ref().is_some_and(|l| l.env.contains_key(k));
+    if multi_gpu && loopback && !lock_sets("NCCL_SOCKET_IFNAME") {
+        // NCCL's bootstrap over loopback stays inside the IP filter below.
+        let _ = writeln!(u, "Environment=NCCL_SOCKET_IFNAME=lo");
+    }
     if let Some(l) = &lock {
         for (k, v) in &l.env {
             // Environment= expands specifiers but not variables: only `%` needs escaping.
@@ -175,6 +209,12 @@ pub fn run(a: SystemdUnitArgs) -> anyhow::Result<()> {
     let _ = writeln!(u, "Restart=on-failure");
     let _ = writeln!(u, "RestartSec=10");
     let _ = writeln!(u, "LimitMEMLOCK=infinity");
+    // A core dump of hundreds of GB of weights is a hazard; CUDA and NCCL open many files.
+    let _ = writeln!(u, "LimitCORE=0");
+    let _ = writeln!(u, "LimitNOFILE=1048576");
+    // Loading logs a burst: keep it all.
+    let _ = writeln!(u, "LogRateLimitIntervalSec=30s");
+    let _ = writeln!(u, "LogRateLimitBurst=20000");
     let _ = writeln!(u, "DynamicUser=yes");
     let _ = writeln!(u, "StateDirectory=kiln/{name}");
     let _ = writeln!(u, "CacheDirectory=kiln/{name}");
@@ -206,15 +246,25 @@ pub fn run(a: SystemdUnitArgs) -> anyhow::Result<()> {
         "AmbientCapabilities=",
         "SystemCallArchitectures=native",
         "SystemCallFilter=@system-service",
-        "SystemCallFilter=~@privileged @resources",
         "SystemCallErrorNumber=EPERM",
-        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
         "DevicePolicy=closed",
         // The start-up checks read /proc/cpuinfo and /proc/sys/kernel/osrelease (and, with a
         // GPU, /proc/driver/nvidia), which ProcSubset=pid would hide.
         "ProcSubset=all",
     ] {
         let _ = writeln!(u, "{d}");
+    }
+    if multi_gpu {
+        // NCCL binds threads and memory to each GPU's NUMA node (the @resources calls) and
+        // lists interfaces over netlink.
+        let _ = writeln!(u, "SystemCallFilter=~@privileged");
+        let _ = writeln!(
+            u,
+            "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK"
+        );
+    } else {
+        let _ = writeln!(u, "SystemCallFilter=~@privileged @resources");
+        let _ = writeln!(u, "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX");
     }
     if gpu {
         // The GPU needs its device nodes; the CUDA driver JIT-compiles kernels into executable

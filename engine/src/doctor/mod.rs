@@ -432,7 +432,7 @@ fn models(lock: &Lock, hash: bool) -> Vec<Check> {
 
 fn drift_fix(field: &str) -> &'static str {
     match field {
-        "kiln-version" | "git-rev" | "patches" => {
+        "kiln-version" | "source" | "patches" | "inputs" => {
             "kiln was upgraded or rebuilt: re-run `kiln bench sweep` and re-lock, or roll back to the locked build"
         }
         "driver" | "cuda" | "nccl" => {

@@ -53,9 +53,17 @@ impl Probe for SystemProbe {
 #[serde(rename_all = "kebab-case")]
 pub struct Fingerprint {
     pub kiln_version: String,
+    /// Shown, never compared: a commit that leaves the engine's source alone is the same build.
     pub git_rev: String,
+    /// The engine's source: a hash of every file the binary is compiled from (build.rs).
+    #[serde(default)]
+    pub source: String,
     /// Upstream patches compiled in: `name=sha256`, in series order.
     pub patches: Vec<String>,
+    /// The pinned inputs the build came from (the flake's `nixpkgs=REV;crane=REV`; empty for a
+    /// cargo build).
+    #[serde(default)]
+    pub inputs: String,
     pub cpu: String,
     pub cpu_cores: usize,
     /// The SIMD level the CPU kernels run at (avx512-vnni, avx2, scalar).
@@ -76,12 +84,15 @@ pub struct Fingerprint {
     pub allreduce: Vec<crate::doctor::allreduce::AllReducePoint>,
 }
 
-/// The fields of a fingerprint, in a fixed order, as (name, value) text.
+/// The fields of a fingerprint that drift compares, in a fixed order, as (name, value) text.
+/// The build is its version, source, patch series and pinned inputs; its git revision is not
+/// compared (a documentation-only commit changes the revision and nothing that runs).
 pub fn fields(f: &Fingerprint) -> Vec<(&'static str, String)> {
     vec![
         ("kiln-version", f.kiln_version.clone()),
-        ("git-rev", f.git_rev.clone()),
+        ("source", f.source.clone()),
         ("patches", f.patches.join(";")),
+        ("inputs", f.inputs.clone()),
         ("cpu", f.cpu.clone()),
         ("cpu-cores", f.cpu_cores.to_string()),
         ("simd", f.simd.clone()),
@@ -191,7 +202,9 @@ impl Fingerprint {
         Fingerprint {
             kiln_version: env!("CARGO_PKG_VERSION").to_string(),
             git_rev: env!("KILN_GIT_REV").to_string(),
+            source: env!("KILN_SOURCE").to_string(),
             patches: build_patches(),
+            inputs: env!("KILN_PINNED_INPUTS").to_string(),
             cpu,
             cpu_cores,
             simd: simd.to_string(),
@@ -409,14 +422,19 @@ pub(crate) mod tests {
         let d = drift(&locked, &Fingerprint::collect(&base, "avx2"));
         assert_eq!(d.len(), 1);
         assert_eq!(d[0].field, "simd");
-        let mut upgraded = locked.clone();
-        upgraded.git_rev = "0123456789ab".into();
+        // A commit that touches only documentation: another revision, the same build.
+        let mut docs_only = locked.clone();
+        docs_only.git_rev = "0123456789ab".into();
+        assert_eq!(drift(&locked, &docs_only), []);
+        let mut upgraded = docs_only;
         upgraded.kiln_version = "0.2.0".into();
+        upgraded.source = "00ff00ff00ff00ff".into();
         upgraded.patches = vec!["nccl-fix.patch=abc".into()];
+        upgraded.inputs = "nixpkgs=531670d;crane=2c71e19".into();
         let names: Vec<String> = drift(&locked, &upgraded)
             .into_iter()
             .map(|d| d.field)
             .collect();
-        assert_eq!(names, ["kiln-version", "git-rev", "patches"]);
+        assert_eq!(names, ["kiln-version", "source", "patches", "inputs"]);
     }
 }

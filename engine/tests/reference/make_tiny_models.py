@@ -46,7 +46,7 @@ reproduce the recorded logits (guards against a save/load mismatch); the script 
 
 How to run
 ----------
-    HF_HUB_OFFLINE=1 /work/refvenv/bin/python engine/tests/reference/make_tiny_models.py \
+    HF_HUB_OFFLINE=1 python3 engine/tests/reference/make_tiny_models.py \
         [--out-dir engine/tests/fixtures]
 
 Needs torch and transformers only (no network, no downloads). The fixtures in the repository were

@@ -272,6 +272,7 @@ ptxas info    : Used 10 registers, 388 bytes cmem[0]\n";
             "kernel", "arch", "regs", "smem B", "spill S", "spill L"
         );
         let mut failures = Vec::new();
+        let mut assembled = 0;
         for target in TARGETS {
             for k in SOURCES {
                 let ptx = match compile_ptx(k, *target, None) {
@@ -283,6 +284,7 @@ ptxas info    : Used 10 registers, 388 bytes cmem[0]\n";
                 };
                 match assemble(&home.join("bin/ptxas"), &ptx, target.sm, &work) {
                     Ok(resources) => {
+                        assembled += 1;
                         let names: Vec<&str> =
                             resources.iter().map(|r| r.kernel.as_str()).collect();
                         for want in k.entry_points {
@@ -311,5 +313,16 @@ ptxas info    : Used 10 registers, 388 bytes cmem[0]\n";
         }
         let _ = std::fs::remove_dir_all(&work);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+        // A check that compiled nothing checked nothing.
+        assert!(
+            !SOURCES.is_empty() && !TARGETS.is_empty(),
+            "no kernel sources or targets"
+        );
+        assert_eq!(
+            assembled,
+            SOURCES.len() * TARGETS.len(),
+            "kernels assembled"
+        );
+        println!("{assembled} kernel sources assembled");
     }
 }
