@@ -12,12 +12,13 @@ if [ -x "$PREFIX/bin/nix" ] && "$PREFIX/bin/nix" --version >/dev/null 2>&1; then
 fi
 # A Nix of its own (NixOS, a Nix install) that is new enough serves as it is.
 if command -v nix >/dev/null 2>&1; then
-  have=$(nix --version | grep -o -E '[0-9]+\.[0-9]+' | head -n1)
+  have=$(nix --version 2>/dev/null | grep -o -E '[0-9]+\.[0-9]+' | head -n1 || true)
   if [ -n "$have" ] && [ "$(printf '%s\n2.18\n' "$have" | sort -V | head -n1)" = 2.18 ]; then
     mkdir -p "$PREFIX/bin"
     for prog in nix nix-instantiate nix-build nix-store nix-hash nix-env; do
+      command -v "$prog" >/dev/null || continue
       printf '#!/bin/sh\nexec %s --extra-experimental-features "nix-command flakes" "$@"\n' \
-        "$(command -v $prog)" > "$PREFIX/bin/$prog"
+        "$(command -v "$prog")" > "$PREFIX/bin/$prog"
       chmod +x "$PREFIX/bin/$prog"
     done
     echo "$PREFIX/bin"; exit 0

@@ -262,7 +262,7 @@ let
           type = types.nullOr outsideStore;
           default = null;
           example = "/run/secrets/kiln.env";
-          description = "The absolute path (a string, kept out of the store) of an environment file systemd reads at start (EnvironmentFile=): secrets such as HF_TOKEN, or site-specific NCCL variables.";
+          description = "The absolute path (a string, kept out of the store) of an environment file systemd reads at start (EnvironmentFile=): secrets such as HF_TOKEN. Set NCCL variables through `nccl` (or the lock) instead: the unit's IP filter follows `nccl.socketIfname`, which it cannot read from this file.";
         };
         gpus = mkOption {
           type = types.listOf types.ints.unsigned;
@@ -446,6 +446,10 @@ let
       startLimitIntervalSec = 1800;
       startLimitBurst = 5;
       environment = r.env;
+      # The start-up checks read the GPUs with nvidia-smi (the fingerprint against the lock).
+      path = lib.optional (r.gpu && config.hardware.nvidia ? package) (
+        lib.getBin config.hardware.nvidia.package
+      );
       serviceConfig = {
         Type = "notify";
         NotifyAccess = "main";
@@ -498,11 +502,12 @@ let
         CapabilityBoundingSet = "";
         AmbientCapabilities = "";
         SystemCallArchitectures = "native";
-        # NCCL binds each rank's threads and memory to its GPU's NUMA node (sched_setaffinity,
-        # set_mempolicy, mbind: the @resources set), so a unit with more than one GPU keeps them.
+        # The CUDA driver places pinned host memory on the GPU's NUMA node and NCCL binds each
+        # rank's threads there (sched_setaffinity, set_mempolicy, mbind: the @resources set), so
+        # a GPU unit keeps them, as nixpkgs' ollama unit does.
         SystemCallFilter = [
           "@system-service"
-          (if r.multiGpu then "~@privileged" else "~@privileged @resources")
+          (if r.gpu then "~@privileged" else "~@privileged @resources")
         ];
         SystemCallErrorNumber = "EPERM";
         # NCCL enumerates interfaces over netlink for its bootstrap.

@@ -33,6 +33,30 @@ fn the_token_table_spells_every_token_of_real_text() {
     assert_eq!(table[im_end[0] as usize][0], 0xFF);
 }
 
+#[test]
+fn a_draft_path_through_the_end_token_leaves_the_matcher_where_it_was() {
+    // Mid-number, the grammar may end: llguidance takes an end token there without recording it,
+    // so a path through one must never reach the matcher (its rollback would undo a real token).
+    let tok = common::smollm2_tokenizer();
+    let grammars = kiln::structured::Grammars::new(&tok, tok.vocab_size()).expect("token table");
+    let mut guide = grammars
+        .guide(&kiln::structured::Constraint::Regex("[0-9]+".into()))
+        .expect("regex");
+    let digit = |d: &str| tok.encode(d, false).expect("encode")[0];
+    guide.advance(digit("1"));
+    let before = guide.mask();
+    let eos = tok.eos_ids[0];
+    assert!(before.allows(eos) && before.allows(digit("2")));
+    let after_eos = guide.mask_after(&[digit("2"), eos]);
+    assert!((0..tok.vocab_size() as u32).all(|t| !after_eos.allows(t)));
+    assert_eq!(guide.mask(), before, "the matcher moved");
+    assert_eq!(guide.admits(&[digit("2"), eos, digit("3")]), 2);
+    guide.advance(digit("2"));
+    assert_eq!(guide.error(), None);
+    guide.advance(eos);
+    assert!(guide.finished());
+}
+
 /// Runs a client script from `tests/clients/` against `s`; it must print its last line.
 fn run_client(s: &Server, script: &str) {
     let script = format!("{}/tests/clients/{script}", env!("CARGO_MANIFEST_DIR"));

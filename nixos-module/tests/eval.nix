@@ -8,6 +8,7 @@
 { lib }:
 let
   inherit (import ./harness.nix { inherit lib; })
+    instanceOptions
     fakePackage
     kiln
     defaultModel
@@ -139,11 +140,9 @@ let
   left = split.systemd.services.kiln-left;
   right = split.systemd.services.kiln-right;
 
-  # 6. Secrets and models as path literals would be copied into the store: type errors.
-  refused =
-    config:
-    !(builtins.tryEval (builtins.deepSeq (eval config).systemd.services.kiln-x.serviceConfig true))
-    .success;
+  # 6. Secrets and models as path literals would be copied into the store: their types refuse
+  # them (asked of the module's own option types).
+  accepts = option: v: instanceOptions.${option}.type.check v;
   lockStorePaths = lib.attrNames (builtins.getContext gpuSc.ExecStart);
   expectFailure =
     name: needle:
@@ -363,12 +362,27 @@ in
     && left.serviceConfig.EnvironmentFile == [ "/run/secrets/kiln-left.env" ]
     && right.serviceConfig.EnvironmentFile == [ ]
   ) left.serviceConfig.EnvironmentFile)
-  (check "a secret as a path literal is refused (it would enter the store)" (refused {
-    services.kiln.instances.x.apiKeyFile = ./gpu.lock;
-  }) null)
-  (check "a model as a path literal is refused (it would enter the store)" (refused {
-    services.kiln.instances.x.model = ./gpu.lock;
-  }) null)
+  (check "secrets: an absolute path string is taken, a path literal is refused" (
+    accepts "apiKeyFile" "/run/secrets/kiln-api-key"
+    && !(accepts "apiKeyFile" ./gpu.lock)
+    && accepts "environmentFile" "/run/secrets/kiln.env"
+    && !(accepts "environmentFile" ./gpu.lock)
+    && !(accepts "apiKeyFile" "relative/key")
+  ) null)
+  (check "models: a package or an absolute path string, never a path literal" (
+    accepts "model" defaultModel
+    && accepts "model" "/var/lib/kiln/models/m.gguf"
+    && !(accepts "model" ./gpu.lock)
+  ) null)
+  (check "split: GPU units keep the NUMA system calls" (
+    left.serviceConfig.SystemCallFilter == [
+      "@system-service"
+      "~@privileged"
+    ]
+  ) left.serviceConfig.SystemCallFilter)
+  (check "hosts/reference: nvidia-smi on the unit's path for the start-up checks" (
+    referenceUnit.path != [ ]
+  ) referenceUnit.path)
   (check "skipModelHash reaches the command line" (contains "\"--skip-model-hash\""
     (eval {
       services.xserver.videoDrivers = [ "nvidia" ];

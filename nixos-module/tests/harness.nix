@@ -86,9 +86,20 @@ let
       ];
     }).config;
 
+  # The options of one instance, to ask their types directly.
+  instanceOptions =
+    (lib.evalModules {
+      specialArgs.kiln = kilnFlake;
+      modules = [
+        nixosStub
+        ../default.nix
+      ];
+    }).options.services.kiln.instances.type.getSubOptions
+      [ "x" ];
 in
 {
   inherit
+    instanceOptions
     fakePackage
     kiln
     defaultModel

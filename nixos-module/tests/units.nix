@@ -34,7 +34,9 @@ let
     + "\n"
     + section "Service" (
       {
-        Environment = lib.mapAttrsToList (k: v: builtins.toJSON "${k}=${v}") u.environment;
+        Environment =
+          lib.mapAttrsToList (k: v: builtins.toJSON "${k}=${v}") u.environment
+          ++ lib.optional (u.path or [ ] != [ ]) (builtins.toJSON "PATH=${lib.makeBinPath u.path}");
       }
       // u.serviceConfig
     )

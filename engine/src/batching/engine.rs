@@ -32,7 +32,7 @@ use crate::metrics::Metrics;
 use crate::metrics::{BatchLabels, PositionLabels};
 use crate::runner::{ModelInfo, ModelRunner, SeqOutput, SeqParams, SeqPlan, StepOutput, StepPlan};
 use crate::sampling::{Sampled, TokenGuide};
-use crate::structured::Guide;
+use crate::structured::{Guide, guide_mut};
 use crate::tokenizer::IncrementalDecoder;
 
 #[derive(Clone, Copy, Debug)]
@@ -229,8 +229,13 @@ impl Engine {
         self.live.insert(
             id,
             Live {
-                decoder: (!self.cfg.detok_overlap)
-                    .then(|| IncrementalDecoder::new(!req.params.keep_special)),
+                decoder: (!self.cfg.detok_overlap).then(|| {
+                    if req.params.keep_special {
+                        IncrementalDecoder::keeping_special(req.params.stop_token_ids.clone())
+                    } else {
+                        IncrementalDecoder::new(true)
+                    }
+                }),
                 params: req.params,
                 events: req.events,
                 arrival: req.arrival,
@@ -491,11 +496,7 @@ impl Engine {
             if let Some(live) = self.live.get_mut(&id) {
                 for sampled in o.tokens.iter().cloned() {
                     let mut complete = false;
-                    if let Some(g) = live
-                        .guide
-                        .as_mut()
-                        .map(|g| g.get_mut().unwrap_or_else(|e| e.into_inner()))
-                    {
+                    if let Some(g) = live.guide.as_mut().map(guide_mut) {
                         // The mask allowed the token, so the matcher takes it (a refusal fails
                         // the request, the token unsent); a grammar that is complete ends the
                         // request as an end-of-sequence token would.
@@ -507,14 +508,16 @@ impl Engine {
                     }
                     emit(seq, live, sampled, &self.metrics, &self.info);
                     if complete {
-                        finish = finish.or(Some(FinishReason::Eos));
+                        // Complete output: `stop`, whatever the runner judged for a later token
+                        // (or for this one, by its length).
+                        finish = Some(FinishReason::Eos);
                         break;
                     }
                 }
-                let error = live.guide.as_mut().and_then(|g| {
-                    let g = g.get_mut().unwrap_or_else(|e| e.into_inner());
-                    g.error().map(str::to_string)
-                });
+                let error = live
+                    .guide
+                    .as_mut()
+                    .and_then(|g| guide_mut(g).error().map(str::to_string));
                 if let Some(e) = error {
                     failed.push((id, e));
                     finish = None;

@@ -254,16 +254,20 @@ pub fn run(a: SystemdUnitArgs) -> anyhow::Result<()> {
     ] {
         let _ = writeln!(u, "{d}");
     }
-    if multi_gpu {
-        // NCCL binds threads and memory to each GPU's NUMA node (the @resources calls) and
-        // lists interfaces over netlink.
+    if gpu {
+        // The CUDA driver places pinned memory on the GPU's NUMA node and NCCL binds threads
+        // there (the @resources calls), as the NixOS module allows.
         let _ = writeln!(u, "SystemCallFilter=~@privileged");
+    } else {
+        let _ = writeln!(u, "SystemCallFilter=~@privileged @resources");
+    }
+    if multi_gpu {
+        // NCCL lists interfaces over netlink.
         let _ = writeln!(
             u,
             "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK"
         );
     } else {
-        let _ = writeln!(u, "SystemCallFilter=~@privileged @resources");
         let _ = writeln!(u, "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX");
     }
     if gpu {

@@ -69,7 +69,8 @@ pub struct Fingerprint {
     /// The SIMD level the CPU kernels run at (avx512-vnni, avx2, scalar).
     pub simd: String,
     pub kernel: String,
-    /// One entry per GPU, e.g. `NVIDIA RTX PRO 6000 Blackwell Server Edition`.
+    /// One entry per GPU this process may use (`CUDA_VISIBLE_DEVICES`, when set), e.g.
+    /// `NVIDIA RTX PRO 6000 Blackwell Server Edition`.
     pub gpus: Vec<String>,
     /// `nvidia-smi topo -m`'s matrix (how the GPUs reach each other), empty without GPUs.
     pub gpu_topology: String,
@@ -157,14 +158,25 @@ impl Fingerprint {
             .map(|s| s.trim().to_string())
             .unwrap_or_default();
         let smi = |args: &[&str]| probe.run("nvidia-smi", args);
-        let gpus: Vec<String> = smi(&["--query-gpu=name", "--format=csv,noheader"])
-            .map(|s| {
-                s.lines()
-                    .map(|l| l.trim().to_string())
-                    .filter(|l| !l.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default();
+        // The GPUs this process may use: a service given GPUs 0-3 of eight (and the sweep run
+        // for it) records those four, so two instances splitting a box each match their lock.
+        let visible = probe
+            .env()
+            .get("CUDA_VISIBLE_DEVICES")
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty());
+        let name_query = ["--query-gpu=name", "--format=csv,noheader"];
+        let gpus: Vec<String> = match &visible {
+            Some(v) => smi(&[&name_query[..], &["-i", v]].concat()),
+            None => smi(&name_query),
+        }
+        .map(|s| {
+            s.lines()
+                .map(|l| l.trim().to_string())
+                .filter(|l| !l.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
         let driver = smi(&["--query-gpu=driver_version", "--format=csv,noheader"])
             .and_then(|s| s.lines().next().map(|l| l.trim().to_string()))
             .or_else(|| {
@@ -277,6 +289,20 @@ pub(crate) mod tests {
         fn exists(&self, path: &str) -> bool {
             self.files.contains_key(path)
         }
+    }
+
+    #[test]
+    fn only_the_visible_gpus_are_recorded() {
+        let mut p = gpu_box();
+        let gpu = "NVIDIA RTX PRO 6000 Blackwell Server Edition";
+        p.programs.insert(
+            "nvidia-smi --query-gpu=name --format=csv,noheader -i 1".into(),
+            format!("{gpu}\n"),
+        );
+        p.env.insert("CUDA_VISIBLE_DEVICES".into(), "1".into());
+        assert_eq!(Fingerprint::collect(&p, "avx2").gpus, [gpu]);
+        p.env.remove("CUDA_VISIBLE_DEVICES");
+        assert_eq!(Fingerprint::collect(&p, "avx2").gpus.len(), 2);
     }
 
     /// Two RTX PRO 6000s, driver 580, CUDA 13.0, NCCL 2.27.7, memlock unlimited.

@@ -53,6 +53,32 @@ pub fn row_masks(plan: &StepPlan<'_>, drafts: &Drafts) -> Vec<Option<Vec<TokenMa
         .collect()
 }
 
+/// Every guided sampling sequence has exactly one mask per row: a row without one would be
+/// sampled unconstrained, so a miscount fails the step instead.
+pub fn check_rows(
+    plan: &StepPlan<'_>,
+    drafts: &Drafts,
+    masks: &[Option<Vec<TokenMask>>],
+) -> crate::Result<()> {
+    for (w, s) in plan.seqs.iter().enumerate() {
+        if s.guide.is_none() || !s.samples() {
+            continue;
+        }
+        let rows = 1 + drafts.trees[w]
+            .as_ref()
+            .map_or(drafts.tokens[w].len(), |t| t.len());
+        let got = masks.get(w).and_then(Option::as_ref).map_or(0, Vec::len);
+        if got != rows {
+            // A bug, failed like a panicking job: the step's requests fail, the server goes on.
+            return Err(crate::Error::Panicked(format!(
+                "sequence {}: {got} token masks for {rows} rows",
+                s.id
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

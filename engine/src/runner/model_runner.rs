@@ -543,6 +543,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let (logits, graph_bucket) = forward?;
         let row_masks = row_masks
             .map_err(|_| crate::Error::Panicked("computing structured-output masks".into()))?;
+        guided::check_rows(plan, &drafts, &row_masks)?;
         let drawn = if in_backend {
             let draws = self.row_draws(plan, &fed, &drafts, &row_masks, logit_rows.len());
             self.model.backend.sample(self.ws.logits(), &draws)?

@@ -68,6 +68,7 @@ pub fn submit(
         let (tx, rx) = unbounded_channel();
         let mut params = params.clone();
         let keep_special = params.keep_special;
+        let enders = params.stop_token_ids.clone();
         params.sampling.seed = params.sampling.seed.map(|s| s.wrapping_add(i as u64));
         let req = EngineRequest {
             prompt: prompt.to_vec(),
@@ -82,7 +83,11 @@ pub fn submit(
             index: first_index + i,
             ready: ready.clone(),
             rx,
-            decoder: IncrementalDecoder::new(!keep_special),
+            decoder: if keep_special {
+                IncrementalDecoder::keeping_special(enders)
+            } else {
+                IncrementalDecoder::new(true)
+            },
             stop: StopMatcher::new(stops.to_vec()),
             completion_tokens: 0,
             cached_tokens: 0,

@@ -168,7 +168,16 @@ impl Guide {
         if path.is_empty() || self.error.is_some() {
             return self.mask();
         }
-        let path = self.matcher_tokens(path);
+        // Nothing follows an end-of-sequence token (the request ends there), and the matcher
+        // must not take one here: it may take it without recording it, and the rollback below
+        // would then undo a token the request really emitted.
+        let Some(path) = path
+            .iter()
+            .all(|t| !self.eos.contains(t))
+            .then(|| self.matcher_tokens(path))
+        else {
+            return self.nothing();
+        };
         let taken = match self.matcher.try_consume_tokens(&path) {
             Ok(n) => n,
             Err(e) => return self.fail(e.to_string()),
@@ -248,14 +257,21 @@ impl Guide {
 /// the forward runs.
 impl TokenGuide for Mutex<Guide> {
     fn admits(&self, drafts: &[u32]) -> usize {
-        self.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .admits(drafts)
+        locked(self).admits(drafts)
     }
 
     fn mask_after(&self, path: &[u32]) -> TokenMask {
-        self.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .mask_after(path)
+        locked(self).mask_after(path)
     }
+}
+
+/// The guide behind a lock. A panic while it was held (caught and reported as a failed step)
+/// leaves a matcher that is still whole, so poisoning is ignored.
+fn locked(m: &Mutex<Guide>) -> std::sync::MutexGuard<'_, Guide> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The guide, for the engine that owns it between steps.
+pub fn guide_mut(m: &mut Mutex<Guide>) -> &mut Guide {
+    m.get_mut().unwrap_or_else(|e| e.into_inner())
 }

@@ -12,6 +12,8 @@ pub struct IncrementalDecoder {
     prefix_offset: usize,
     read_offset: usize,
     skip_special: bool,
+    /// Tokens that end the text and are never part of it (with special tokens kept).
+    enders: Vec<u32>,
 }
 
 impl IncrementalDecoder {
@@ -22,10 +24,20 @@ impl IncrementalDecoder {
         }
     }
 
+    /// Special tokens stay in the text (a tool-call format's markers), all but the model's
+    /// end-of-sequence tokens and `enders` (the request's stop token ids), which end it.
+    pub fn keeping_special(enders: Vec<u32>) -> Self {
+        IncrementalDecoder {
+            skip_special: false,
+            enders,
+            ..Default::default()
+        }
+    }
+
     /// Adds one token; returns the text it completes, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
         // Kept special tokens are markers inside the text; the one that ends it is not text.
-        if !self.skip_special && tok.is_eos(id) {
+        if !self.skip_special && (tok.is_eos(id) || self.enders.contains(&id)) {
             return Ok(None);
         }
         self.ids.push(id);
