@@ -74,6 +74,34 @@ fn logits_and_greedy_tokens_match_transformers() {
 }
 
 #[test]
+fn int4_experts_stay_packed_and_fast_mode_reads_them_close_to_transformers() {
+    // Kimi-K2-Thinking's experts (compressed-tensors INT4, groups of 32) load as Q4_0 blocks:
+    // 18 bytes per 32 weights instead of 128 as f32. Exact mode dequantizes them (the test above
+    // holds it to 1e-4); fast mode reads them packed, with activations quantized to 8 bits, so
+    // its logits stay close rather than equal (1e-4 on an AVX-512 machine).
+    let case = models()
+        .into_iter()
+        .find(|c| c["name"] == "kimi-k2-int4")
+        .expect("the INT4 case");
+    let dir = common::tiny_with_tokenizer("kimi-k2-int4");
+    let hf = kiln::weights::hf::HfDir::open(&dir).expect("open");
+    for p in ["gate_proj", "up_proj", "down_proj"] {
+        let v = hf
+            .view(&format!("model.layers.1.mlp.experts.0.{p}.weight"))
+            .expect("view");
+        assert_eq!(v.dtype, kiln::weights::DType::Q4_0, "{p}");
+        assert_eq!(v.bytes().len(), v.n_elements() / 32 * 18, "{p}");
+    }
+    let m = load_model(CpuBackend::new(), &dir, Precision::Fast, |_, _| {}).expect("load");
+    let prompt = ids(&case, "prompt_ids");
+    let got = common::logits_at(&m, &prompt, &[prompt.len() - 1]);
+    let err = common::rel_err(&got[0], &floats(&case, "last_logits"));
+    eprintln!("kimi-k2-int4, fast mode: last logits within {err:.1e}");
+    assert!(err < 0.05, "fast mode's logits are {err:e} off");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn explicit_prefill_equals_absorbed_attention() {
     for case in models() {
         let name = case["name"].as_str().expect("name");

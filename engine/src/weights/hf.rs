@@ -265,6 +265,19 @@ impl HfDir {
                 "scales of shape {scale_shape:?} do not fit groups of {group} in [{rows}, {cols}]"
             )));
         }
+        // Kept packed where that is lossless (Kimi-K2-Thinking's groups of 32): fast mode reads
+        // it with the Q4_0 kernels, exact mode dequantizes it as before.
+        if let Some(q4_0) =
+            super::quantized::repack_int4_as_q4_0(&packed, rows, cols, group, &scales)
+        {
+            return TensorView::from_bytes(
+                name.to_string(),
+                path,
+                DType::Q4_0,
+                vec![rows, cols],
+                &q4_0,
+            );
+        }
         let values = super::quantized::dequantize_packed_int4(&packed, rows, cols, group, &scales);
         TensorView::from_f32(name.to_string(), path, vec![rows, cols], &values)
     }

@@ -122,6 +122,41 @@ pub fn dequantize_block_fp8(
     out
 }
 
+/// The same weight as GGUF's Q4_0 blocks, kept packed (4.5 bits a weight instead of 32): each
+/// group of 32 becomes one block of its scale as f16 and the 32 stored nibbles (value + 8, the
+/// stored form already), element `j` in byte `j`'s low half and element `j + 16` in its high
+/// half. Lossless, so only where it is: groups of exactly 32 along whole rows, and every scale
+/// an f16 can hold exactly (bf16 scales are, in f16's normal range). `None` otherwise.
+pub fn repack_int4_as_q4_0(
+    packed: &[i32],
+    rows: usize,
+    cols: usize,
+    group: usize,
+    scales: &[f32],
+) -> Option<Vec<u8>> {
+    if group != 32 || !cols.is_multiple_of(32) {
+        return None;
+    }
+    let (words, groups) = (cols / 8, cols / 32);
+    let mut out = Vec::with_capacity(rows * groups * 18);
+    for r in 0..rows {
+        for g in 0..groups {
+            let scale = scales[r * groups + g];
+            let d = half::f16::from_f32(scale);
+            if d.to_f32() != scale {
+                return None;
+            }
+            out.extend_from_slice(&d.to_bits().to_le_bytes());
+            let nibble = |c: usize| {
+                let word = packed[r * words + (g * 32 + c) / 8] as u32;
+                ((word >> (4 * (c % 8))) & 0xf) as u8
+            };
+            out.extend((0..16).map(|j| nibble(j) | nibble(j + 16) << 4));
+        }
+    }
+    Some(out)
+}
+
 /// `[rows, cols]` 4-bit values packed eight per int32 (element `j` of a word in bits
 /// `4j..4j+4`, stored as value + 8), times their group's scale.
 pub fn dequantize_packed_int4(
@@ -167,5 +202,33 @@ mod tests {
             .fold(0u32, |w, (j, &n)| w | (n << (4 * j)));
         let out = dequantize_packed_int4(&[word as i32], 1, 8, 4, &[0.5, 2.0]);
         assert_eq!(out, [0.0, 0.5, -0.5, 3.5, -16.0, 4.0, 6.0, -4.0]);
+    }
+
+    #[test]
+    fn int4_repacked_as_q4_0_reads_back_exactly_the_dequantized_weight() {
+        let (rows, cols) = (3, 64);
+        // Every nibble value, in an order that differs word to word.
+        let packed: Vec<i32> = (0..rows * cols / 8)
+            .map(|w| {
+                (0..8).fold(0u32, |acc, j| {
+                    acc | (((w * 5 + j * 3) % 16) as u32) << (4 * j)
+                }) as i32
+            })
+            .collect();
+        // bf16-like scales (8 significant bits) of different magnitudes.
+        let scales: Vec<f32> = (0..rows * 2)
+            .map(|i| (1.0 + i as f32 / 128.0) * 2f32.powi(-(i as i32) - 3))
+            .collect();
+        let want = dequantize_packed_int4(&packed, rows, cols, 32, &scales);
+        let q4_0 = repack_int4_as_q4_0(&packed, rows, cols, 32, &scales).expect("lossless");
+        assert_eq!(q4_0.len(), rows * 2 * 18);
+        let mut got = vec![0f32; rows * cols];
+        crate::weights::dtype::dequantize(crate::weights::DType::Q4_0, &q4_0, &mut got);
+        assert_eq!(got, want);
+        // A scale f16 cannot hold, or groups other than 32: kept as f32 instead.
+        let mut tiny = scales.clone();
+        tiny[1] = 1e-9;
+        assert!(repack_int4_as_q4_0(&packed, rows, cols, 32, &tiny).is_none());
+        assert!(repack_int4_as_q4_0(&packed, rows, cols, 64, &scales[..rows]).is_none());
     }
 }
