@@ -702,25 +702,7 @@ fn sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_zero() {
 #[test]
 fn official_openai_client_and_prometheus_parser() {
     let s = Server::start(&["--api-key", KEY]);
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/clients/openai_client.py"
-    );
-    let python = std::env::var("KILN_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = std::process::Command::new(&python)
-        .arg(script)
-        .args([&s.base_url(), KEY])
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("{python}: {e} (install: python3 -m pip install openai prometheus-client)")
-        });
-    let log = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "client script failed:\n{log}");
-    assert!(log.contains("ALL CHECKS PASSED"), "{log}");
+    s.run_client("openai_client.py", &[KEY]);
     // And curl, the other client every operator uses.
     let curl = std::process::Command::new("curl")
         .args(["-sS", "-H", &format!("Authorization: Bearer {KEY}"), "-d"])

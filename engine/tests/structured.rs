@@ -57,28 +57,10 @@ fn a_draft_path_through_the_end_token_leaves_the_matcher_where_it_was() {
     assert!(guide.finished());
 }
 
-/// Runs a client script from `tests/clients/` against `s`; it must print its last line.
-fn run_client(s: &Server, script: &str) {
-    let script = format!("{}/tests/clients/{script}", env!("CARGO_MANIFEST_DIR"));
-    let python = std::env::var("KILN_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = std::process::Command::new(&python)
-        .arg(&script)
-        .arg(s.base_url())
-        .output()
-        .unwrap_or_else(|e| panic!("{python}: {e} (install: python3 -m pip install openai)"));
-    let log = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "client script failed:\n{log}");
-    assert!(log.contains("ALL CHECKS PASSED"), "{log}");
-}
-
 #[test]
 fn the_official_client_parses_pydantic_models_and_regexes() {
     let s = Server::start(&["--served-model-name", "m"]);
-    run_client(&s, "structured_client.py");
+    s.run_client("structured_client.py", &[]);
 }
 
 #[test]
@@ -99,7 +81,7 @@ fn the_official_client_calls_tools_on_qwen() {
             "8192",
         ],
     );
-    run_client(&s, "tools_client.py");
+    s.run_client("tools_client.py", &[]);
 }
 
 /// Qwen2.5-Coder on its own port, with `extra` flags.

@@ -263,75 +263,49 @@ pub struct ChatRequest {
     pub ebnf: Option<String>,
 }
 
-impl CompletionRequest {
-    pub fn constraint_fields(&self) -> ConstraintFields<'_> {
-        ConstraintFields {
-            response_format: self.response_format.as_ref(),
-            guided_json: self.guided_json.as_ref(),
-            guided_regex: self.guided_regex.as_deref(),
-            guided_grammar: self.guided_grammar.as_deref(),
-            guided_choice: self.guided_choice.as_deref(),
-            structured_outputs: self.structured_outputs.as_ref(),
-            regex: self.regex.as_deref(),
-            json_schema: self.json_schema.as_ref(),
-            ebnf: self.ebnf.as_deref(),
-        }
-    }
+/// The views both generation requests give of the fields they share. The fields are declared in
+/// each struct, not in a flattened one, because serde's `flatten` does not combine with
+/// `deny_unknown_fields` (an unknown field must stay a 400).
+macro_rules! shared_views {
+    ($($request:ty),*) => {$(
+        impl $request {
+            pub fn constraint_fields(&self) -> ConstraintFields<'_> {
+                ConstraintFields {
+                    response_format: self.response_format.as_ref(),
+                    guided_json: self.guided_json.as_ref(),
+                    guided_regex: self.guided_regex.as_deref(),
+                    guided_grammar: self.guided_grammar.as_deref(),
+                    guided_choice: self.guided_choice.as_deref(),
+                    structured_outputs: self.structured_outputs.as_ref(),
+                    regex: self.regex.as_deref(),
+                    json_schema: self.json_schema.as_ref(),
+                    ebnf: self.ebnf.as_deref(),
+                }
+            }
 
-    pub fn knobs(&self) -> Knobs {
-        Knobs {
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            repetition_penalty: self.repetition_penalty,
-            seed: self.seed,
-            stop: self.stop.clone(),
-            stop_token_ids: self.stop_token_ids.clone(),
-            n: self.n,
-            ignore_eos: self.ignore_eos,
-            stream: self.stream,
-            stream_options: self.stream_options.clone(),
+            pub fn knobs(&self) -> Knobs {
+                Knobs {
+                    temperature: self.temperature,
+                    top_p: self.top_p,
+                    top_k: self.top_k,
+                    min_p: self.min_p,
+                    presence_penalty: self.presence_penalty,
+                    frequency_penalty: self.frequency_penalty,
+                    repetition_penalty: self.repetition_penalty,
+                    seed: self.seed,
+                    stop: self.stop.clone(),
+                    stop_token_ids: self.stop_token_ids.clone(),
+                    n: self.n,
+                    ignore_eos: self.ignore_eos,
+                    stream: self.stream,
+                    stream_options: self.stream_options.clone(),
+                }
+            }
         }
-    }
+    )*};
 }
 
-impl ChatRequest {
-    pub fn constraint_fields(&self) -> ConstraintFields<'_> {
-        ConstraintFields {
-            response_format: self.response_format.as_ref(),
-            guided_json: self.guided_json.as_ref(),
-            guided_regex: self.guided_regex.as_deref(),
-            guided_grammar: self.guided_grammar.as_deref(),
-            guided_choice: self.guided_choice.as_deref(),
-            structured_outputs: self.structured_outputs.as_ref(),
-            regex: self.regex.as_deref(),
-            json_schema: self.json_schema.as_ref(),
-            ebnf: self.ebnf.as_deref(),
-        }
-    }
-
-    pub fn knobs(&self) -> Knobs {
-        Knobs {
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            repetition_penalty: self.repetition_penalty,
-            seed: self.seed,
-            stop: self.stop.clone(),
-            stop_token_ids: self.stop_token_ids.clone(),
-            n: self.n,
-            ignore_eos: self.ignore_eos,
-            stream: self.stream,
-            stream_options: self.stream_options.clone(),
-        }
-    }
-}
+shared_views!(CompletionRequest, ChatRequest);
 
 #[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]

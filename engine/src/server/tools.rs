@@ -106,9 +106,10 @@ impl Tools {
             Some(ToolChoice::Named(n)) => Choice::Named(n.function.name.clone()),
         };
         if defs.is_empty() {
+            // No tools: nothing to render or parse, unless a choice was asked of none.
             return match choice {
-                Choice::None | Choice::Auto if req.tool_choice.is_none() => Ok(None),
                 Choice::None => Ok(None),
+                Choice::Auto if req.tool_choice.is_none() => Ok(None),
                 _ => Err(ApiError::invalid(
                     "tool_choice",
                     "`tool_choice` needs `tools` to choose from",

@@ -51,6 +51,29 @@ impl Server {
         }
     }
 
+    /// Runs a client script from `tests/clients/` against this server with `args` after its
+    /// base URL; the script must succeed and print `ALL CHECKS PASSED`.
+    #[allow(dead_code)]
+    pub fn run_client(&self, script: &str, args: &[&str]) {
+        let script = format!("{}/tests/clients/{script}", env!("CARGO_MANIFEST_DIR"));
+        let python = std::env::var("KILN_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+        let out = std::process::Command::new(&python)
+            .arg(&script)
+            .arg(self.base_url())
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("{python}: {e} (install: python3 -m pip install openai prometheus-client)")
+            });
+        let log = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{script} failed:\n{log}");
+        assert!(log.contains("ALL CHECKS PASSED"), "{log}");
+    }
+
     pub fn base_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
