@@ -47,13 +47,17 @@ pub fn pack(draws: &[RowDraw<'_>], vocab: usize) -> Result<Packed> {
         floats: Vec::with_capacity(draws.len() * ROW_FLOATS),
         ..Packed::default()
     };
-    // Rows of one sequence share its mask: upload it once.
-    let mut masks: Vec<(*const crate::sampling::TokenMask, i32)> = Vec::new();
+    // Equal masks are uploaded once: a guided sequence's rows often allow the same tokens (the
+    // inside of a JSON string, say), and each row carries its own mask.
+    let mut masks: Vec<(&crate::sampling::TokenMask, i32)> = Vec::new();
     for d in draws {
         let s = &d.params;
         let mask_at = match d.mask {
             None => -1,
-            Some(m) => match masks.iter().find(|(ptr, _)| std::ptr::eq(*ptr, m)) {
+            Some(m) => match masks
+                .iter()
+                .find(|(seen, _)| std::ptr::eq(*seen, m) || *seen == m)
+            {
                 Some(&(_, at)) => at,
                 None => {
                     if m.words().len() < words {
@@ -64,7 +68,7 @@ pub fn pack(draws: &[RowDraw<'_>], vocab: usize) -> Result<Packed> {
                     }
                     let at = int(p.mask_words.len());
                     p.mask_words.extend_from_slice(&m.words()[..words]);
-                    masks.push((m as *const _, at));
+                    masks.push((m, at));
                     at
                 }
             },
@@ -523,13 +527,17 @@ mod tests {
                 subtract: 1.0,
             },
         ];
+        // Another row's own mask, equal to the first: shared too.
+        let same = mask.clone();
         let draws = [
             first,
             draw(SamplingParams::greedy(), Some(&mask)),
             draw(SamplingParams::greedy(), Some(&other)),
             draw(SamplingParams::greedy(), None),
+            draw(SamplingParams::greedy(), Some(&same)),
         ];
         let p = pack(&draws, 130).expect("pack");
+        assert_eq!(p.ints[6 * 4 + 3], 0, "the equal mask is the first one");
         // Two distinct masks of three words each.
         assert_eq!(p.mask_words.len(), 6);
         assert_eq!(p.mask_words[0], 0b110);
