@@ -152,19 +152,9 @@ fn the_token_mask_decides_what_a_step_may_sample() {
 
 #[test]
 fn n_gram_drafts_are_made_and_verified_and_stop_at_the_token_budget() {
-    let spec = SpecConfig {
-        method: SpecMethod::Ngram,
-        adaptive: false,
-        num_steps: 4,
-        ..SpecConfig::default()
-    };
+    let spec = ngram4();
     let mut plain = runner(SpecConfig::default());
-    // A prompt the model continues by repeating it, so prompt lookup has drafts that stand.
-    let prompt = plain
-        .info()
-        .tokenizer
-        .encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,", true)
-        .expect("encode");
+    let prompt = repeating_prompt(plain.as_ref());
     let (mut want, mut alloc) = start(plain.as_mut(), &prompt);
     while want.tokens.len() < prompt.len() + 16 {
         want.step(plain.as_mut(), &mut alloc, 0, 64, None);
@@ -249,22 +239,13 @@ fn a_guided_sequence_drafts_only_what_its_grammar_admits_and_keeps_greedy_output
     let mut plain = runner(SpecConfig::default());
     // The model would repeat the prompt's `4`s; the grammar forbids them, so prompt lookup keeps
     // proposing drafts the grammar refuses, among others it admits.
-    let prompt = plain
-        .info()
-        .tokenizer
-        .encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,", true)
-        .expect("encode");
+    let prompt = repeating_prompt(plain.as_ref());
     let regex = "( [0-35-9],){12}";
     let (want, ..) = guided_run(plain.as_mut(), &prompt, regex, 0, 40);
     let text = plain.info().tokenizer.decode(&want, true).expect("decode");
     assert!(!text.contains('4'), "the grammar was not applied: {text:?}");
 
-    let mut r = runner(SpecConfig {
-        method: SpecMethod::Ngram,
-        adaptive: false,
-        num_steps: 4,
-        ..SpecConfig::default()
-    });
+    let mut r = runner(ngram4());
     let (got, drafted, accepted, refused) = guided_run(r.as_mut(), &prompt, regex, 4, 40);
     assert!(drafted > 0, "no drafts were verified");
     assert!(accepted > 0, "no draft was accepted");
@@ -308,6 +289,17 @@ fn a_failing_op_fails_the_step_with_an_error_and_the_runner_goes_on() {
     assert_eq!(out.seqs[0].tokens.len(), 1);
 }
 
+/// N-gram drafting of up to 4 tokens every step (no adaptive policy to park it).
+fn ngram4() -> SpecConfig {
+    SpecConfig {
+        method: SpecMethod::Ngram,
+        adaptive: false,
+        num_steps: 4,
+        ..SpecConfig::default()
+    }
+}
+
+/// A prompt the model continues by repeating it, so prompt lookup has drafts that stand.
 fn repeating_prompt(r: &dyn ModelRunner) -> Vec<u32> {
     r.info()
         .tokenizer
@@ -340,12 +332,7 @@ fn ngram_run(
 /// made and verified; seeded random sampling is reproducible and really random.
 #[test]
 fn sampling_through_the_backend_op_matches_the_host_path() {
-    let spec = SpecConfig {
-        method: SpecMethod::Ngram,
-        adaptive: false,
-        num_steps: 4,
-        ..SpecConfig::default()
-    };
+    let spec = ngram4();
     let mut host = runner_at(spec, SamplingSite::Auto);
     let mut device = runner_at(spec, SamplingSite::Backend);
     let prompt = repeating_prompt(host.as_ref());

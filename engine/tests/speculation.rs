@@ -244,11 +244,11 @@ fn eagle3_chain_speculation_keeps_greedy_output_exact_alone_and_at_c16() {
         let base = Server::start(&[]);
         p.iter().map(|(t, e)| greedy(&base, t, *e)).collect()
     };
-    let tok = common::smollm2_tokenizer();
-    let comma = tok.encode(",", false).expect("encode");
+    let comma = common::smollm2_tokenizer()
+        .encode(",", false)
+        .expect("encode");
     assert_eq!(comma.len(), 1, "\",\" is one token");
-    let dir = std::env::temp_dir().join(format!("kiln-eagle3-comma-{}", std::process::id()));
-    common::write_small_vocab_draft(&dir, &comma);
+    let dir = common::small_vocab_draft("eagle3-comma", &[","]);
     let draft = dir.to_string_lossy().to_string();
     let fixed = Server::start(&[
         "--speculative-algorithm",
@@ -294,26 +294,9 @@ fn eagle3_tree_speculation_keeps_greedy_output_exact_alone_and_at_c16() {
         let base = Server::start(&[]);
         p.iter().map(|(t, e)| greedy(&base, t, *e)).collect()
     };
-    let tok = common::smollm2_tokenizer();
-    let vocab: Vec<u32> = [",", " ", ".", "\n", " the"]
-        .iter()
-        .map(|t| tok.encode(t, false).expect("encode")[0])
-        .collect();
-    let dir = std::env::temp_dir().join(format!("kiln-eagle3-tree-{}", std::process::id()));
-    common::write_small_vocab_draft(&dir, &vocab);
+    let dir = common::small_vocab_draft("eagle3-tree", &[",", " ", ".", "\n", " the"]);
     let draft = dir.to_string_lossy().to_string();
-    let tree = [
-        "--speculative-algorithm",
-        "eagle3",
-        "--speculative-draft-model-path",
-        &draft,
-        "--speculative-eagle-topk",
-        "3",
-        "--speculative-num-steps",
-        "3",
-        "--speculative-num-draft-tokens",
-        "8",
-    ];
+    let tree = common::eagle3_tree_flags(&draft);
     let mut fixed_flags = tree.to_vec();
     fixed_flags.extend(["--speculative-policy", "fixed"]);
     let fixed = Server::start(&fixed_flags);

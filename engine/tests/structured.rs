@@ -323,30 +323,11 @@ fn json_schema_requests_at_c16_with_ngram_chains_and_eagle3_trees_equal_plain_de
     drop(spec);
 
     // A small-vocabulary EAGLE-3 head drafting JSON's punctuation as a tree.
-    let tok = common::smollm2_tokenizer();
-    let vocab: Vec<u32> = [",", " ", "\"", ":", " \""]
-        .iter()
-        .map(|t| tok.encode(t, false).expect("encode")[0])
-        .collect();
-    let dir = std::env::temp_dir().join(format!("kiln-guided-tree-{}", std::process::id()));
-    common::write_small_vocab_draft(&dir, &vocab);
+    let dir = common::small_vocab_draft("guided-tree", &[",", " ", "\"", ":", " \""]);
     let draft = dir.to_string_lossy().to_string();
-    let tree = Server::start(&[
-        "--served-model-name",
-        "m",
-        "--speculative-algorithm",
-        "eagle3",
-        "--speculative-draft-model-path",
-        &draft,
-        "--speculative-eagle-topk",
-        "3",
-        "--speculative-num-steps",
-        "3",
-        "--speculative-num-draft-tokens",
-        "8",
-        "--speculative-policy",
-        "fixed",
-    ]);
+    let mut flags = common::eagle3_tree_flags(&draft).to_vec();
+    flags.extend(["--served-model-name", "m", "--speculative-policy", "fixed"]);
+    let tree = Server::start(&flags);
     assert_eq!(run(&tree), want, "EAGLE-3 tree");
     drafted(&tree, "EAGLE-3 tree");
     std::fs::remove_dir_all(&dir).ok();

@@ -8,6 +8,7 @@
 { lib }:
 let
   inherit (import ./harness.nix { inherit lib; })
+    scenarios
     instanceOptions
     fakePackage
     kiln
@@ -27,33 +28,15 @@ let
   contains = needle: haystack: lib.hasInfix needle haystack;
   anyContains = needle: lib.any (contains needle);
 
-  # 1. CPU instance with the default-model package and settings.
-  cpu = eval {
-    services.kiln.instances.dev = {
-      model = defaultModel;
-      settings.max-running = 16;
-      settings.speculative-algorithm = "ngram";
-    };
-  };
+  # 1. CPU instance with the default-model package, settings and secrets.
+  cpu = eval scenarios.cpu;
   cpuUnit = cpu.systemd.services.kiln-dev;
   cpuSc = cpuUnit.serviceConfig;
   configFile = lib.head (lib.tail (lib.splitString "\"--config\" \"" cpuSc.ExecStart));
   configPath = lib.head (lib.splitString "\"" configFile);
 
   # 2. The reference shape: GPUs, a lock, an API key, an open port.
-  gpu = eval {
-    services.xserver.videoDrivers = [ "nvidia" ];
-    hardware.nvidia.nvidiaPersistenced = true;
-    services.kiln.instances.main = {
-      lockFile = ./gpu.lock;
-      gpus = lib.range 0 7;
-      nccl.ibDisable = true;
-      nccl.p2pLevel = "SYS";
-      apiKeyFile = "/run/secrets/kiln-api-key";
-      openFirewall = true;
-      canary = true;
-    };
-  };
+  gpu = eval scenarios.gpu;
   gpuUnit = gpu.systemd.services.kiln-main;
   gpuSc = gpuUnit.serviceConfig;
 

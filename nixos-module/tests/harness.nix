@@ -86,6 +86,35 @@ let
       ];
     }).config;
 
+  # The two units both checks look at: eval.nix asserts on their settings, units.nix hands them
+  # to systemd-analyze.
+  scenarios = {
+    # A CPU instance with the default-model package, settings and its secrets.
+    cpu = {
+      services.kiln.instances.dev = {
+        model = defaultModel;
+        settings.max-running = 16;
+        settings.speculative-algorithm = "ngram";
+        apiKeyFile = "/run/secrets/kiln-api-key";
+        environmentFile = "/run/secrets/kiln.env";
+      };
+    };
+    # The reference shape: eight GPUs, a lock, an API key, an open port.
+    gpu = {
+      services.xserver.videoDrivers = [ "nvidia" ];
+      hardware.nvidia.nvidiaPersistenced = true;
+      services.kiln.instances.main = {
+        lockFile = ./gpu.lock;
+        gpus = lib.range 0 7;
+        nccl.ibDisable = true;
+        nccl.p2pLevel = "SYS";
+        apiKeyFile = "/run/secrets/kiln-api-key";
+        openFirewall = true;
+        canary = true;
+      };
+    };
+  };
+
   # The options of one instance, to ask their types directly.
   instanceOptions =
     (lib.evalModules {
@@ -99,6 +128,7 @@ let
 in
 {
   inherit
+    scenarios
     instanceOptions
     fakePackage
     kiln

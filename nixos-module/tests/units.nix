@@ -9,7 +9,7 @@
 # Result: { "<file name>.service" = "<unit text>"; ... } for a CPU instance and an 8-GPU one.
 { lib }:
 let
-  inherit (import ./harness.nix { inherit lib; }) defaultModel eval;
+  inherit (import ./harness.nix { inherit lib; }) scenarios eval;
 
   value = v: if builtins.isBool v then lib.boolToString v else toString v;
   lines = key: v: map (x: "${key}=${value x}") (lib.toList v);
@@ -43,23 +43,8 @@ let
     + "\n"
     + section "Install" { WantedBy = u.wantedBy; };
 
-  cpu = eval {
-    services.kiln.instances.dev = {
-      model = defaultModel;
-      settings.max-running = 16;
-      apiKeyFile = "/run/secrets/kiln-api-key";
-      environmentFile = "/run/secrets/kiln.env";
-    };
-  };
-  gpu = eval {
-    services.xserver.videoDrivers = [ "nvidia" ];
-    hardware.nvidia.nvidiaPersistenced = true;
-    services.kiln.instances.main = {
-      lockFile = ./gpu.lock;
-      gpus = lib.range 0 7;
-      apiKeyFile = "/run/secrets/kiln-api-key";
-    };
-  };
+  cpu = eval scenarios.cpu;
+  gpu = eval scenarios.gpu;
 in
 {
   "kiln-dev.service" = render cpu.systemd.services.kiln-dev;

@@ -132,6 +132,13 @@ mod tests {
         }
     }
 
+    /// Each row's allowed tokens, of the 16 the tests' vocabulary has.
+    fn allowed(rows: &[TokenMask]) -> Vec<Vec<u32>> {
+        rows.iter()
+            .map(|m| (0..16).filter(|&t| m.allows(t)).collect())
+            .collect()
+    }
+
     #[test]
     fn a_chain_keeps_the_drafts_its_grammar_admits_and_each_row_gets_its_mask() {
         let g = Counting {
@@ -147,11 +154,7 @@ mod tests {
         assert_eq!(trim_drafts(&plan, &mut drafts), [2]);
         assert_eq!(drafts.tokens[0], [3, 4]);
         let masks = row_masks(&plan, &drafts);
-        let rows = masks[0].as_ref().expect("guided");
-        let allowed: Vec<Vec<u32>> = rows
-            .iter()
-            .map(|m| (0..16).filter(|&t| m.allows(t)).collect())
-            .collect();
+        let allowed = allowed(masks[0].as_ref().expect("guided"));
         assert_eq!(allowed, [vec![3], vec![4], vec![5]]);
     }
 
@@ -176,11 +179,7 @@ mod tests {
         assert_eq!(trim_drafts(&plan, &mut drafts), [0]);
         assert_eq!(drafts.tokens[0].len(), 4);
         let masks = row_masks(&plan, &drafts);
-        let rows = masks[0].as_ref().expect("guided");
-        let allowed: Vec<Vec<u32>> = rows
-            .iter()
-            .map(|m| (0..16).filter(|&t| m.allows(t)).collect())
-            .collect();
+        let allowed = allowed(masks[0].as_ref().expect("guided"));
         assert_eq!(allowed, [vec![3], vec![4], vec![], vec![5], vec![]]);
     }
 

@@ -203,6 +203,37 @@ pub fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
         / scale
 }
 
+/// A small-vocabulary EAGLE-3 head ([`write_small_vocab_draft`]) drafting the first token of each
+/// of `texts`, in a temporary directory named after `tag` (the caller removes it).
+#[allow(dead_code)]
+pub fn small_vocab_draft(tag: &str, texts: &[&str]) -> std::path::PathBuf {
+    let tok = smollm2_tokenizer();
+    let tokens: Vec<u32> = texts
+        .iter()
+        .map(|t| tok.encode(t, false).expect("encode")[0])
+        .collect();
+    let dir = std::env::temp_dir().join(format!("kiln-{tag}-{}", std::process::id()));
+    write_small_vocab_draft(&dir, &tokens);
+    dir
+}
+
+/// `kiln serve` flags for EAGLE-3 tree speculation with `draft`: top-3 over 3 steps, 8 nodes.
+#[allow(dead_code)]
+pub fn eagle3_tree_flags(draft: &str) -> [&str; 10] {
+    [
+        "--speculative-algorithm",
+        "eagle3",
+        "--speculative-draft-model-path",
+        draft,
+        "--speculative-eagle-topk",
+        "3",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-num-draft-tokens",
+        "8",
+    ]
+}
+
 /// An EAGLE-3 draft head for SmolLM2 written at test time: random small weights, and a draft
 /// vocabulary of just `tokens`, so every draft proposes one of them. With "," and list-like
 /// prompts the target often agrees, so drafts are both accepted (the draft-extend then covers
