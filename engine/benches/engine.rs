@@ -32,6 +32,7 @@ fn batched_decode(m: &LoadedModel<CpuBackend>, batch: usize, context: usize, ste
             per_seq * batch,
             BLOCK,
             c.kv_width(),
+            c.kv_layout(),
             m.model.precision,
         )
         .expect("backend op");

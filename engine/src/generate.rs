@@ -71,6 +71,7 @@ impl<B: Backend> SingleSequence<B> {
                 n_blocks,
                 DEFAULT_BLOCK_SIZE,
                 c.kv_width(),
+                c.kv_layout(),
                 m.model.precision,
             )?,
             alloc: BlockAllocator::new(n_blocks, DEFAULT_BLOCK_SIZE),

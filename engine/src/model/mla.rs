@@ -8,12 +8,13 @@
 //! the cached `[k_pe | latent]` rows directly, and the up-projection of the values (`W_UV`) is
 //! applied after attention to each head's weighted latent. This is multi-query attention over
 //! the compressed cache, so the backend's ordinary paged attention op computes it (tree masks,
-//! KV moves and all), with the queries pre-scaled to MLA's softmax scale. The cache's V half
-//! holds the latent again: kiln's KV store keeps K and V separately (K transposed per block),
-//! so MLA stores 2 x (rope + rank) values per token per layer instead of the minimum 1x.
+//! KV moves and all), with the queries pre-scaled to MLA's softmax scale. The model's store is
+//! `KvLayout::KeysOnly`: the row is cached once and attention reads its latent part as the
+//! value, (rope + rank) values per token per layer. The V part of `qkv` (`[0 | latent]`) is
+//! still assembled, for a store of K and V rows (tests compare the two).
 
 use super::config::MlaConfig;
-use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
+use crate::backend::{Backend, KvLayout, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
 use crate::weights::TensorView;
 
@@ -128,29 +129,19 @@ impl<B: Backend> MlaWeights<B> {
             QueryTensors::Direct(w) => QueryProj::Direct(backend.matrix(&[w], precision)?),
         };
         let (r, nope, v) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
-        let kv_b_values = t.kv_b.to_f32();
         let per_head = nope + v;
         let (mut uk, mut uv) = (Vec::with_capacity(n_heads), Vec::with_capacity(n_heads));
         for h in 0..n_heads {
-            let rows = &kv_b_values[h * per_head * r..(h + 1) * per_head * r];
-            // W_UK_h is rows [0, nope) of this head's block, [nope, rank]; store its transpose.
-            let mut uk_t = vec![0f32; r * nope];
-            for i in 0..nope {
-                for j in 0..r {
-                    uk_t[j * nope + i] = rows[i * r + j];
-                }
-            }
-            let name = |what: &str| format!("{}[head {h} {what}]", t.kv_b.name);
-            let uk_view =
-                TensorView::from_f32(name("W_UK^T"), t.kv_b.path.clone(), vec![r, nope], &uk_t)?;
-            let uv_view = TensorView::from_f32(
-                name("W_UV"),
-                t.kv_b.path.clone(),
-                vec![v, r],
-                &rows[nope * r..],
-            )?;
-            uk.push(backend.matrix(&[uk_view], precision)?);
-            uv.push(backend.matrix(&[uv_view], precision)?);
+            // W_UK_h is rows [0, nope) of this head's block of kv_b, [nope, rank]; W_UV_h the
+            // next v rows. Both stay in the checkpoint's type where that is lossless (bf16,
+            // block FP8), so fast mode holds them at their stored size.
+            let first = h * per_head;
+            let mut uk_t = t.kv_b.slice(first..first + nope, 0..r)?.transposed()?;
+            uk_t.name = format!("{}[head {h} W_UK^T]", t.kv_b.name);
+            let mut uv_h = t.kv_b.slice(first + nope..first + per_head, 0..r)?;
+            uv_h.name = format!("{}[head {h} W_UV]", t.kv_b.name);
+            uk.push(backend.matrix(&[uk_t], precision)?);
+            uv.push(backend.matrix(&[uv_h], precision)?);
         }
         Ok(MlaWeights {
             q,
@@ -311,7 +302,14 @@ impl<B: Backend> MlaWeights<B> {
             .collect();
         let total: usize = tables.iter().map(|t| t.len()).sum();
         // f32 whatever the mode: a per-step scratch for the decompressed keys and values.
-        let mut scratch = backend.kv_store(1, total, BLOCK, width, Precision::Exact)?;
+        let mut scratch = backend.kv_store(
+            1,
+            total,
+            BLOCK,
+            width,
+            KvLayout::KeysAndValues,
+            Precision::Exact,
+        )?;
         let local: Vec<SeqSpan<'_>> = spans
             .iter()
             .zip(&tables)

@@ -117,6 +117,7 @@ impl WithBackend for Peer<'_> {
                 cfg.n_blocks,
                 cfg.block_size,
                 model.local_kv_width(),
+                model.config.kv_layout(),
                 cfg.precision,
             )?;
             let ws = Workspace::new(&backend)?;

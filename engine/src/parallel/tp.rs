@@ -108,6 +108,7 @@ fn greedy_over<B: Backend>(
         n_blocks,
         BLOCK_SIZE,
         model.local_kv_width(),
+        c.kv_layout(),
         opts.precision,
     )?;
     let table: Vec<u32> = (0..n_blocks as u32).collect();

@@ -137,9 +137,12 @@ impl WithBackend for Job<'_> {
                 ));
             };
             let c = model.config();
-            // bf16 K and V cells of every layer, and of the draft head's layer.
+            // bf16 cells of every layer (K and V, or K alone for MLA's latent), and K and V of
+            // the draft head's layer.
             let draft_width = draft.as_ref().map_or(0, |d| d.kv_width());
-            let per_token = (c.n_layers * model.model.local_kv_width() + draft_width) * 2 * 2;
+            let rows = c.kv_layout().rows_per_position();
+            let per_token =
+                (c.n_layers * model.model.local_kv_width() * rows + draft_width * 2) * 2;
             let weights = before.free.saturating_sub(after.free);
             runner_cfg.kv_tokens = kv_tokens_for_fraction(
                 after.total,

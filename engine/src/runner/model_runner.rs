@@ -79,6 +79,7 @@ impl<B: Backend> Runner<B> {
             n_blocks + usize::from(graphs.is_some()),
             cfg.block_size,
             model.model.local_kv_width(),
+            c.kv_layout(),
             model.model.precision,
         )?;
         let drafter = Drafter::new(&cfg.spec, draft, &model.backend, n_blocks, cfg.block_size)?;

@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 
 use super::tree::{self, Candidate, DraftTree};
-use crate::backend::{Backend, Precision, SeqSpan, TreeMask};
+use crate::backend::{Backend, KvLayout, Precision, SeqSpan, TreeMask};
 use crate::batching::scheduler::SeqId;
 use crate::error::Result;
 use crate::model::{DraftInput, DraftWorkspace, Eagle3Draft};
@@ -99,7 +99,14 @@ impl<B: Backend> EagleDrafter<B> {
         topk: usize,
     ) -> Result<Self> {
         // f32 in every mode: the draft only proposes, and its cache is one layer.
-        let kv = backend.kv_store(1, n_blocks, block_size, draft.kv_width(), Precision::Exact)?;
+        let kv = backend.kv_store(
+            1,
+            n_blocks,
+            block_size,
+            draft.kv_width(),
+            KvLayout::KeysAndValues,
+            Precision::Exact,
+        )?;
         Ok(EagleDrafter {
             topk: topk.max(1),
             draft,

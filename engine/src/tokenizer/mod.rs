@@ -1,9 +1,11 @@
-//! Tokenizers: Hugging Face `tokenizer.json` through the `tokenizers` crate, or a byte-level BPE
-//! tokenizer rebuilt from GGUF metadata; the model's chat template; incremental detokenization.
+//! Tokenizers: Hugging Face `tokenizer.json` through the `tokenizers` crate, a tiktoken
+//! vocabulary (Kimi-K2's `tiktoken.model`), or a byte-level BPE tokenizer rebuilt from GGUF
+//! metadata; the model's chat template; incremental detokenization.
 
 pub mod chat_template;
 pub mod detokenizer;
 mod gguf_vocab;
+pub mod tiktoken;
 mod token_bytes;
 
 use std::path::Path;
@@ -64,13 +66,19 @@ impl Tokenizer {
         })
     }
 
-    /// `tokenizer.json`, with `tokenizer_config.json` (chat template, special tokens) and
-    /// `generation_config.json` (EOS ids) when present.
+    /// `tokenizer.json` (or Kimi-K2's `tiktoken.model`), with `tokenizer_config.json` (chat
+    /// template, special tokens) and `generation_config.json` (EOS ids) when present.
     pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = read_json_if_exists(&config_path)?;
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
-        let config: serde_json::Value = read_json_if_exists(&dir.join("tokenizer_config.json"))?;
+        let tiktoken_path = dir.join("tiktoken.model");
+        let inner = if !path.exists() && tiktoken_path.exists() {
+            Self::tiktoken_inner(dir, &tiktoken_path, &config, &config_path)?
+        } else {
+            tokenizers::Tokenizer::from_file(&path)
+                .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?
+        };
         let gen_config: serde_json::Value =
             read_json_if_exists(&dir.join("generation_config.json"))?;
         let token_text = |key: &str| -> Option<String> {
@@ -99,8 +107,18 @@ impl Tokenizer {
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        let template = match config.get("chat_template").and_then(|t| t.as_str()) {
-            Some(src) => Some(ChatTemplate::new(src, bos_text, eos_text)?),
+        // Newer directories keep the template in a file of its own.
+        let template_file = dir.join("chat_template.jinja");
+        let template_src = match config.get("chat_template").and_then(|t| t.as_str()) {
+            Some(src) => Some(src.to_string()),
+            None if template_file.exists() => Some(
+                std::fs::read_to_string(&template_file)
+                    .map_err(|e| Error::io(&template_file, e))?,
+            ),
+            None => None,
+        };
+        let template = match template_src {
+            Some(src) => Some(ChatTemplate::new(&src, bos_text, eos_text)?),
             None => None,
         };
         Ok(Tokenizer {
@@ -111,6 +129,35 @@ impl Tokenizer {
             add_bos: false,
             chat_template: template,
         })
+    }
+
+    /// A tiktoken vocabulary with its special tokens. Its split pattern lives in Python
+    /// (`tokenization_kimi.py`), so only the one kiln knows is taken: Kimi-K2's, named by the
+    /// tokenizer's `auto_map` or the model's `model_type`.
+    fn tiktoken_inner(
+        dir: &Path,
+        path: &Path,
+        config: &serde_json::Value,
+        config_path: &Path,
+    ) -> Result<tokenizers::Tokenizer> {
+        let auto_map = config
+            .get("auto_map")
+            .map(|m| m.to_string())
+            .unwrap_or_default();
+        let model: serde_json::Value = read_json_if_exists(&dir.join("config.json"))?;
+        let kimi = auto_map.contains("tokenization_kimi")
+            || model.get("model_type").and_then(|t| t.as_str()) == Some("kimi_k2");
+        if !kimi {
+            return Err(Error::format(
+                path,
+                "a tiktoken vocabulary without tokenizer.json: its split pattern is known only \
+                 for Kimi-K2 (tokenizer_config.json's auto_map naming tokenization_kimi, or \
+                 config.json's model_type kimi_k2)",
+            ));
+        }
+        let ranks = tiktoken::read_ranks(path)?;
+        let added = tiktoken::added_tokens(config, ranks.len(), config_path)?;
+        tiktoken::build(&ranks, tiktoken::KIMI_PATTERN, &added)
     }
 
     /// A lower bound on `text`'s token count, without tokenizing: no token covers more than the

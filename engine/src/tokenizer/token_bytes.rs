@@ -58,21 +58,27 @@ impl Tokenizer {
 
 /// GPT-2's byte-to-character map, inverted: printable bytes stand for themselves, the other 68
 /// bytes for the characters from U+0100 on, in byte order.
-fn gpt2_unicode_to_byte() -> std::collections::HashMap<char, u8> {
+/// GPT-2's byte alphabet: the printable character each byte is spelled with in byte-level BPE
+/// vocabularies (printable Latin-1 as itself, the rest from U+0100 on, in byte order).
+pub(super) fn gpt2_byte_chars() -> [char; 256] {
     let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
-    let mut map = std::collections::HashMap::with_capacity(256);
+    let mut chars = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..=255u8 {
-        let c = if printable(b) {
+        chars[b as usize] = if printable(b) {
             char::from(b)
         } else {
             let c = char::from_u32(next).unwrap_or(char::REPLACEMENT_CHARACTER);
             next += 1;
             c
         };
-        map.insert(c, b);
     }
-    map
+    chars
+}
+
+fn gpt2_unicode_to_byte() -> std::collections::HashMap<char, u8> {
+    let chars = gpt2_byte_chars();
+    (0..=255u8).map(|b| (chars[b as usize], b)).collect()
 }
 
 fn sentencepiece_bytes(text: &str) -> Vec<u8> {

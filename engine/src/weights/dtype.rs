@@ -17,6 +17,10 @@ pub enum DType {
     Q4_K,
     Q5_K,
     Q6_K,
+    /// DeepSeek-V3's block FP8 repacked along rows: blocks of `n` e4m3 values (`n` the width of
+    /// the checkpoint's scale blocks), each led by its block's f32 scale (`weight_scale_inv`),
+    /// so a row reads without the scale grid beside it. About a byte a weight, as stored.
+    F8Blocks(u16),
 }
 
 /// Values per K-quant super-block.
@@ -75,6 +79,7 @@ impl DType {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => 32,
             DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
+            DType::F8Blocks(n) => n as usize,
         }
     }
 
@@ -90,15 +95,41 @@ impl DType {
             DType::Q4_K => 144,
             DType::Q5_K => 176,
             DType::Q6_K => 210,
+            DType::F8Blocks(n) => 4 + n as usize,
         }
     }
 
     /// Bytes needed for `n` values, or `None` when `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if !n.is_multiple_of(self.block_len()) {
+        if self.block_len() == 0 || !n.is_multiple_of(self.block_len()) {
             return None;
         }
         (n / self.block_len()).checked_mul(self.block_bytes())
+    }
+}
+
+/// One `float8_e4m3fn` value: 1 sign, 4 exponent (bias 7) and 3 mantissa bits. The format has
+/// no infinities and its one NaN pattern (S.1111.111) never reaches here: the loader refuses it.
+/// Branch-free but for a select, so row decoding vectorizes.
+#[inline]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let magnitude = (b & 0x7f) as u32;
+    let v = if magnitude < 8 {
+        // Subnormal: mantissa / 8 * 2^-6.
+        magnitude as f32 * (1.0 / 512.0)
+    } else {
+        // Re-bias the exponent from 7 to 127 and widen the mantissa from 3 bits to 23.
+        f32::from_bits((magnitude << 20) + (120 << 23))
+    };
+    if b & 0x80 != 0 { -v } else { v }
+}
+
+/// One row block of `F8Blocks`: its scale and its values, dequantized.
+#[inline]
+pub fn decode_f8_block(b: &[u8], y: &mut [f32]) {
+    let scale = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    for (yj, &q) in y.iter_mut().zip(&b[4..]) {
+        *yj = e4m3_to_f32(q) * scale;
     }
 }
 
@@ -242,6 +273,7 @@ fn dequantize_block(dtype: DType, b: &[u8], y: &mut [f32]) {
                 }
             }
         }
+        DType::F8Blocks(_) => decode_f8_block(b, y),
         DType::F32 | DType::F16 | DType::BF16 => {
             unreachable!("plain floats are handled by dequantize")
         }
@@ -290,6 +322,45 @@ mod tests {
         assert_eq!(y[0], 8.0);
         assert_eq!(y[16], 1.0);
         assert_eq!(y[1], -2.0);
+    }
+
+    #[test]
+    fn e4m3_decodes_the_format_s_landmarks() {
+        assert_eq!(e4m3_to_f32(0x00), 0.0);
+        assert_eq!(e4m3_to_f32(0x38), 1.0); // exponent 7 = bias
+        assert_eq!(e4m3_to_f32(0xc0), -2.0);
+        assert_eq!(e4m3_to_f32(0x7e), 448.0); // the largest finite value
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9)); // the smallest subnormal
+        assert_eq!(e4m3_to_f32(0x87), -7.0 * 2f32.powi(-9)); // the largest negative subnormal
+        assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6)); // the smallest normal
+    }
+
+    #[test]
+    fn e4m3_matches_the_format_s_definition_for_every_finite_byte() {
+        for b in (0..=255u8).filter(|b| b & 0x7f != 0x7f) {
+            let (exp, man) = (((b >> 3) & 0x0f) as i32, (b & 0x07) as f32);
+            let magnitude = if exp == 0 {
+                man / 8.0 * 2f32.powi(-6)
+            } else {
+                (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+            };
+            let want = if b & 0x80 != 0 { -magnitude } else { magnitude };
+            assert_eq!(e4m3_to_f32(b).to_bits(), want.to_bits(), "byte {b:#04x}");
+        }
+    }
+
+    #[test]
+    fn f8_blocks_scale_each_block_by_its_own_scale() {
+        let mut b = Vec::new();
+        for (scale, byte) in [(0.5f32, 0x38u8), (-3.0, 0xc0)] {
+            b.extend_from_slice(&scale.to_le_bytes());
+            b.extend_from_slice(&[byte; 16]);
+        }
+        assert_eq!(DType::F8Blocks(16).bytes_for(32), Some(b.len()));
+        let mut y = vec![0f32; 32];
+        dequantize(DType::F8Blocks(16), &b, &mut y);
+        assert!(y[..16].iter().all(|&v| v == 0.5));
+        assert!(y[16..].iter().all(|&v| v == 6.0));
     }
 
     #[test]

@@ -372,6 +372,7 @@ impl GgufFile {
             mmap: self.mmap.clone(),
             offset: info.offset,
             n_bytes: info.n_bytes,
+            file_backed: true,
         })
     }
 }

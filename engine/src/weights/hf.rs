@@ -1,8 +1,9 @@
 //! Hugging Face model directories: `config.json`, `tokenizer.json`, and the weights as one
 //! `model.safetensors` or shards listed in `model.safetensors.index.json`.
 //!
-//! Two quantized checkpoint layouts are dequantized to f32 when a weight is read (`quantized`):
-//! DeepSeek-V3's block FP8 and compressed-tensors' packed INT4 (Kimi-K2-Thinking's experts).
+//! Two quantized checkpoint layouts are repacked when a weight is read (`quantized`), kept packed
+//! where that is lossless: DeepSeek-V3's block FP8 (as `F8Blocks`) and compressed-tensors'
+//! packed INT4 (Kimi-K2-Thinking's experts, as `Q4_0`).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -193,6 +194,7 @@ impl HfDir {
             mmap: mmap.clone(),
             offset: e.offset,
             n_bytes: e.n_bytes,
+            file_backed: true,
         })
     }
 
@@ -204,6 +206,13 @@ impl HfDir {
         let [rows, cols] = *shape else {
             return Err(Error::tensor(&path, name, "an FP8 weight must be a matrix"));
         };
+        if rows == 0 || cols == 0 {
+            return Err(Error::tensor(
+                &path,
+                name,
+                format!("shape {shape:?} is empty"),
+            ));
+        }
         let block = self.quant.fp8_block.ok_or_else(|| {
             Error::tensor(
                 &path,
@@ -221,8 +230,38 @@ impl HfDir {
                 format!("shape {scale_shape:?}, blocks of {block:?} need {want:?}"),
             ));
         }
-        let values = super::quantized::dequantize_block_fp8(bytes, rows, cols, block, &scales);
-        TensorView::from_f32(name.to_string(), path, vec![rows, cols], &values)
+        if let Some(at) = super::quantized::first_e4m3_nan(bytes) {
+            return Err(Error::tensor(
+                &path,
+                name,
+                format!("holds an FP8 NaN at element {at}: the checkpoint is damaged"),
+            ));
+        }
+        // Kept packed where the rows are whole scale blocks (DeepSeek-V3's and Kimi-K2's
+        // weights): exact mode dequantizes it, fast mode reads it as it is.
+        let view = match super::quantized::repack_block_fp8(bytes, rows, cols, block, &scales) {
+            Some(packed) => TensorView::from_bytes(
+                name.to_string(),
+                path,
+                DType::F8Blocks(block[1] as u16),
+                vec![rows, cols],
+                &packed,
+            ),
+            None => {
+                let values =
+                    super::quantized::dequantize_block_fp8(bytes, rows, cols, block, &scales);
+                TensorView::from_f32(name.to_string(), path, vec![rows, cols], &values)
+            }
+        };
+        self.release(name);
+        view
+    }
+
+    /// Drops the file pages of a stored tensor whose bytes have been copied into another form.
+    fn release(&self, name: &str) {
+        if let Some(e) = self.tensors.get(name) {
+            super::release_file_pages(&self.files[e.file].1, e.offset, e.n_bytes);
+        }
     }
 
     /// compressed-tensors' pack-quantized INT4 weight: `X.weight_packed` (eight 4-bit values per
@@ -267,6 +306,7 @@ impl HfDir {
         }
         // Kept packed where that is lossless (Kimi-K2-Thinking's groups of 32): fast mode reads
         // it with the Q4_0 kernels, exact mode dequantizes it as before.
+        self.release(&packed_name);
         if let Some(q4_0) =
             super::quantized::repack_int4_as_q4_0(&packed, rows, cols, group, &scales)
         {

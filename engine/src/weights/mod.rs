@@ -5,6 +5,7 @@ pub mod dtype;
 pub mod gguf;
 pub mod hf;
 pub mod quantized;
+mod transpose;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -25,11 +26,24 @@ pub struct TensorView {
     mmap: Arc<Mmap>,
     offset: usize,
     n_bytes: usize,
+    /// A view of the model file (not a copy in anonymous memory): its pages can be released.
+    file_backed: bool,
 }
 
 impl TensorView {
     pub fn bytes(&self) -> &[u8] {
         &self.mmap[self.offset..self.offset + self.n_bytes]
+    }
+
+    /// Tells the kernel this view's file pages may leave memory: a backend calls it once it has
+    /// copied the weight into its own form, so resident memory at load holds each weight once
+    /// (its prepared copy) rather than twice (that and the page cache's mapped file pages). A
+    /// later read maps the pages in again from the file. Copies in anonymous memory are left
+    /// alone: dropping those pages would zero them.
+    pub fn release_pages(&self) {
+        if self.file_backed && self.n_bytes > 0 {
+            release_file_pages(&self.mmap, self.offset, self.n_bytes);
+        }
     }
 
     pub fn n_elements(&self) -> usize {
@@ -90,6 +104,7 @@ impl TensorView {
             mmap: self.mmap.clone(),
             offset: self.offset + i * slab_bytes,
             n_bytes: slab_bytes,
+            file_backed: self.file_backed,
         })
     }
 
@@ -155,6 +170,7 @@ impl TensorView {
             n_bytes: bytes.len(),
             mmap: Arc::new(mmap),
             offset: 0,
+            file_backed: false,
         })
     }
 
@@ -199,6 +215,7 @@ impl TensorView {
             mmap: Arc::new(mmap),
             offset: 0,
             n_bytes: bytes.len(),
+            file_backed: false,
         })
     }
 
@@ -208,6 +225,15 @@ impl TensorView {
         dtype::dequantize(self.dtype, self.bytes(), &mut out);
         out
     }
+}
+
+/// `MADV_DONTNEED` over the whole pages of `len` bytes at `offset` in a read-only file mapping.
+/// A hint: failure costs memory, never correctness, so it is ignored.
+pub(crate) fn release_file_pages(mmap: &Mmap, offset: usize, len: usize) {
+    #[cfg(unix)]
+    // SAFETY: the mapping is read-only (shared) and of a file kiln never writes: dropping its
+    // pages changes no byte any reference sees, a later read faults the same bytes back in.
+    let _ = unsafe { mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) };
 }
 
 /// Where a model's tensors come from.

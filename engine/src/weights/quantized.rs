@@ -1,9 +1,13 @@
-//! Quantized Hugging Face checkpoint formats, dequantized on load: DeepSeek-V3's block FP8
-//! (`float8_e4m3fn` weights with an f32 `weight_scale_inv` per block) and compressed-tensors'
-//! `pack-quantized` integers (Kimi-K2-Thinking's INT4 experts, symmetric, one scale per group).
+//! Quantized Hugging Face checkpoint formats: DeepSeek-V3's block FP8 (`float8_e4m3fn` weights
+//! with an f32 `weight_scale_inv` per block) and compressed-tensors' `pack-quantized` integers
+//! (Kimi-K2-Thinking's INT4 experts, symmetric, one scale per group). Both are repacked
+//! losslessly into a row-blocked type kiln reads packed (`F8Blocks`, `Q4_0`) where their
+//! shapes allow, and dequantized to f32 otherwise.
 
 use std::path::Path;
 
+use super::DType;
+use super::dtype::e4m3_to_f32;
 use crate::error::{Error, Result};
 
 /// What config.json's `quantization_config` says about the stored weights.
@@ -86,22 +90,6 @@ impl Scheme {
     }
 }
 
-/// One `float8_e4m3fn` value: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, and
-/// S.1111.111 is NaN.
-pub fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exp = ((b >> 3) & 0x0f) as i32;
-    let man = (b & 0x07) as f32;
-    if exp == 0x0f && b & 0x07 == 0x07 {
-        return f32::NAN;
-    }
-    if exp == 0 {
-        sign * man / 8.0 * 2f32.powi(-6)
-    } else {
-        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
-    }
-}
-
 /// `[rows, cols]` FP8 values times their block's scale.
 pub fn dequantize_block_fp8(
     bytes: &[u8],
@@ -110,16 +98,52 @@ pub fn dequantize_block_fp8(
     block: [usize; 2],
     scales: &[f32],
 ) -> Vec<f32> {
-    let table: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
     let scale_cols = cols.div_ceil(block[1]);
     let mut out = vec![0f32; rows * cols];
     for r in 0..rows {
         let srow = &scales[(r / block[0]) * scale_cols..];
         for c in 0..cols {
-            out[r * cols + c] = table[bytes[r * cols + c] as usize] * srow[c / block[1]];
+            out[r * cols + c] = e4m3_to_f32(bytes[r * cols + c]) * srow[c / block[1]];
         }
     }
     out
+}
+
+/// The index of the first e4m3 NaN (S.1111.111) in `bytes`: a checkpoint holding one is broken,
+/// and refusing it lets every reader decode without a NaN case.
+pub fn first_e4m3_nan(bytes: &[u8]) -> Option<usize> {
+    bytes.iter().position(|&b| b & 0x7f == 0x7f)
+}
+
+/// The same FP8 weight kept packed as `DType::F8Blocks(block[1])`: each row's blocks of
+/// `block[1]` values, each led by its scale (rows `block[0]` apart share a scale row, so each
+/// scale is written once per row it covers: 4 bytes per 128 values at DeepSeek-V3's blocks).
+/// Lossless. `None` where a row is not whole blocks, which keeps the dequantized f32 path.
+pub fn repack_block_fp8(
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    block: [usize; 2],
+    scales: &[f32],
+) -> Option<Vec<u8>> {
+    let width = u16::try_from(block[1]).ok()?;
+    if width == 0 || !cols.is_multiple_of(block[1]) {
+        return None;
+    }
+    let blocks = cols / block[1];
+    let mut out = Vec::with_capacity(rows * blocks * (4 + block[1]));
+    for (r, row) in bytes.chunks_exact(cols).take(rows).enumerate() {
+        let srow = &scales[(r / block[0]) * blocks..][..blocks];
+        for (values, scale) in row.chunks_exact(block[1]).zip(srow) {
+            out.extend_from_slice(&scale.to_le_bytes());
+            out.extend_from_slice(values);
+        }
+    }
+    debug_assert_eq!(
+        DType::F8Blocks(width).bytes_for(rows * cols),
+        Some(out.len())
+    );
+    Some(out)
 }
 
 /// The same weight as GGUF's Q4_0 blocks, kept packed (4.5 bits a weight instead of 32): each
@@ -183,13 +207,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn e4m3_decodes_the_format_s_landmarks() {
-        assert_eq!(e4m3_to_f32(0x00), 0.0);
-        assert_eq!(e4m3_to_f32(0x38), 1.0); // exponent 7 = bias
-        assert_eq!(e4m3_to_f32(0xc0), -2.0);
-        assert_eq!(e4m3_to_f32(0x7e), 448.0); // the largest finite value
-        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9)); // the smallest subnormal
-        assert!(e4m3_to_f32(0x7f).is_nan());
+    fn block_fp8_repacked_reads_back_exactly_the_dequantized_weight() {
+        // 5 rows (a partial last row block) of 8 columns in blocks of [2, 4].
+        let (rows, cols, block) = (5, 8, [2, 4]);
+        let bytes: Vec<u8> = (0..rows * cols)
+            .map(|i| (i * 37 % 255) as u8)
+            .map(|b| if b & 0x7f == 0x7f { 0 } else { b })
+            .collect();
+        let scales: Vec<f32> = (0..3 * 2).map(|i| 0.25 * (i as f32 + 1.0)).collect();
+        let want = dequantize_block_fp8(&bytes, rows, cols, block, &scales);
+        let packed = repack_block_fp8(&bytes, rows, cols, block, &scales).expect("whole blocks");
+        let mut got = vec![0f32; rows * cols];
+        crate::weights::dtype::dequantize(DType::F8Blocks(4), &packed, &mut got);
+        assert_eq!(got, want);
+        // Rows that are not whole blocks stay on the f32 path.
+        assert!(repack_block_fp8(&bytes, rows, cols, [2, 3], &scales).is_none());
+        assert_eq!(first_e4m3_nan(&[0x00, 0x7e, 0xff]), Some(2));
+        assert_eq!(first_e4m3_nan(&bytes), None);
     }
 
     #[test]

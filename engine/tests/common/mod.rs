@@ -164,6 +164,7 @@ pub fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) ->
             n.div_ceil(16),
             16,
             c.kv_width(),
+            c.kv_layout(),
             m.model.precision,
         )
         .expect("backend op");

@@ -15,7 +15,7 @@ thread_local! {
     static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<u32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
-use crate::backend::SeqSpan;
+use crate::backend::{KvLayout, SeqSpan};
 
 /// One layer's K or V cells: f32, or f16 (IEEE half) in fast mode on CPUs with the AVX-512
 /// kernel, which halves the bytes attention streams at high concurrency.
@@ -30,6 +30,13 @@ impl KvCells {
             KvCells::F16(vec![0; n])
         } else {
             KvCells::F32(vec![0.0; n])
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            KvCells::F32(c) => 4 * c.len(),
+            KvCells::F16(c) => 2 * c.len(),
         }
     }
 
@@ -70,6 +77,8 @@ impl KvCells {
 pub struct CpuKvStore {
     pub block_size: usize,
     pub kv_width: usize,
+    /// `KvLayout::KeysOnly`: the V cells are empty and attention reads values from K.
+    pub keys_only: bool,
     pub layers: Vec<(KvCells, KvCells)>,
 }
 
@@ -80,16 +89,25 @@ impl CpuKvStore {
         n_blocks: usize,
         block_size: usize,
         kv_width: usize,
+        layout: KvLayout,
         half: bool,
     ) -> CpuKvStore {
         let n = n_blocks * block_size * kv_width;
+        let keys_only = layout == KvLayout::KeysOnly;
+        let v_cells = if keys_only { 0 } else { n };
         CpuKvStore {
             block_size,
             kv_width,
+            keys_only,
             layers: (0..n_layers)
-                .map(|_| (KvCells::zeros(n, half), KvCells::zeros(n, half)))
+                .map(|_| (KvCells::zeros(n, half), KvCells::zeros(v_cells, half)))
                 .collect(),
         }
+    }
+
+    /// Bytes of cells held (K and V of every layer).
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|(k, v)| k.bytes() + v.bytes()).sum()
     }
 
     /// Writes position `pos`'s K row (`[kv_head][head_dim]`) and V row into their slots.
@@ -98,8 +116,10 @@ impl CpuKvStore {
         let (phys, i) = (table[pos / bs] as usize, pos % bs);
         let (kc, vc) = &mut self.layers[layer];
         let v0 = (phys * bs + i) * w;
-        for (c, &x) in v.iter().enumerate() {
-            vc.set(v0 + c, x);
+        if !self.keys_only {
+            for (c, &x) in v.iter().enumerate() {
+                vc.set(v0 + c, x);
+            }
         }
         let k0 = phys * bs * w;
         for (c, &x) in k.iter().enumerate() {
@@ -114,10 +134,12 @@ impl CpuKvStore {
         for &(from, to) in moves.iter().filter(|(f, t)| f != t) {
             let ((pf, i_f), (pt, i_t)) = (slot(from), slot(to));
             for (kc, vc) in self.layers.iter_mut() {
-                vc.copy_within(
-                    (pf * bs + i_f) * w..(pf * bs + i_f + 1) * w,
-                    (pt * bs + i_t) * w,
-                );
+                if !self.keys_only {
+                    vc.copy_within(
+                        (pf * bs + i_f) * w..(pf * bs + i_f + 1) * w,
+                        (pt * bs + i_t) * w,
+                    );
+                }
                 for c in 0..w {
                     kc.copy_cell(pf * bs * w + c * bs + i_f, pt * bs * w + c * bs + i_t);
                 }
@@ -143,12 +165,18 @@ pub fn store_kv(
     for s in spans {
         for i in 0..s.n_tokens {
             let row = &qkv.data[(s.first_token + i) * qkv.cols..(s.first_token + i + 1) * qkv.cols];
+            // Keys only: rows may end after K.
+            let v = if kv.keys_only {
+                &[][..]
+            } else {
+                &row[q_width + kv_width..q_width + 2 * kv_width]
+            };
             kv.store(
                 layer,
                 s.block_table,
                 s.start_pos + i,
                 &row[q_width..q_width + kv_width],
-                &row[q_width + kv_width..q_width + 2 * kv_width],
+                v,
             );
         }
     }
@@ -207,6 +235,7 @@ pub fn attention(
                     n_ctx: s.start_pos + (t - s.first_token) + 1,
                     scale,
                     mask: s.tree.map(|m| (m.base, m.rows[t - s.first_token])),
+                    values_in_keys: kv.keys_only,
                 }
             };
         }
@@ -221,7 +250,7 @@ pub fn attention(
             (KvCells::F32(kc), KvCells::F32(vc)) => {
                 let j = job!(kc, vc, s.block_table, kv_width, kvh * head_dim);
                 #[cfg(target_arch = "x86_64")]
-                if use_avx512 {
+                if use_avx512 && !kv.keys_only {
                     let cells = super::attention_x86::Cells::F32(kc, vc);
                     // SAFETY: this level implies AVX-512 F.
                     if unsafe { super::attention_x86::attend_hd64(&j, cells, scores, o) } {
@@ -232,7 +261,7 @@ pub fn attention(
             }
             (KvCells::F16(kc), KvCells::F16(vc)) => {
                 #[cfg(target_arch = "x86_64")]
-                if use_avx512 {
+                if use_avx512 && !kv.keys_only {
                     let j = job!(&[], &[], s.block_table, kv_width, kvh * head_dim);
                     let cells = super::attention_x86::Cells::F16(kc, vc);
                     // SAFETY: this level implies AVX-512 F.
@@ -252,7 +281,7 @@ pub fn attention(
                         let block = phys as usize * bs * kv_width;
                         let k0 = block + kvh * head_dim * bs;
                         kcells.widen_into(k0..k0 + head_dim * bs, wk);
-                        for i in 0..bs {
+                        for i in (0..bs).filter(|_| !kv.keys_only) {
                             let v0 = block + i * kv_width + kvh * head_dim;
                             vcells.widen_into(v0..v0 + head_dim, wv);
                         }
@@ -300,6 +329,8 @@ pub(super) struct Job<'a> {
     pub scale: f32,
     /// Tree speculation: `(base, bits)` — position `base + j` is visible only if bit `j` is set.
     pub mask: Option<(usize, u64)>,
+    /// `KvLayout::KeysOnly`: the values are the K cells (`vc` is empty).
+    pub values_in_keys: bool,
 }
 
 /// The cache rows of positions `0..n_ctx`, block by block: `(first position, physical block, rows)`.
@@ -397,6 +428,10 @@ fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
         }
     }
     softmax_rows(scores, j.group, n);
+    if j.values_in_keys {
+        weigh_keys(j, scores, out);
+        return;
+    }
     // Weighted V rows: 2 * LANES output dimensions stay in registers while the positions stream
     // by, even and odd positions in separate accumulators.
     const WIDE: usize = 2 * LANES;
@@ -442,6 +477,40 @@ fn attend(j: &Job<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
                 }
             }
             o[d] = acc;
+        }
+    }
+}
+
+/// The output when the values are the keys (MLA's latent cached once): K is transposed per block,
+/// so each output dimension is a dot product of the weights with one contiguous run of K cells.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+fn weigh_keys(j: &Job<'_>, scores: &[f32], out: &mut [f32]) {
+    let (hd, n, bs) = (j.head_dim, j.n_ctx, j.kv.block_size);
+    for g in 0..j.group {
+        let sc = &scores[g * n..(g + 1) * n];
+        let o = &mut out[g * hd..(g + 1) * hd];
+        o.fill(0.0);
+        for (first, phys, len) in runs(j) {
+            let kt = &j.kc[(phys * j.kv_width + j.kv_offset) * bs..][..hd * bs];
+            let w = &sc[first..first + len];
+            for (d, od) in o.iter_mut().enumerate() {
+                let k = &kt[d * bs..d * bs + len];
+                // Lane-wise partial sums, so the loop vectorizes.
+                let mut acc = [0f32; LANES];
+                let (wc, kc) = (w.chunks_exact(LANES), k.chunks_exact(LANES));
+                let (wr, kr) = (wc.remainder(), kc.remainder());
+                for (wl, kl) in wc.zip(kc) {
+                    for l in 0..LANES {
+                        acc[l] += wl[l] * kl[l];
+                    }
+                }
+                let mut sum: f32 = acc.iter().sum();
+                for (a, b) in wr.iter().zip(kr) {
+                    sum += a * b;
+                }
+                *od += sum;
+            }
         }
     }
 }

@@ -8,6 +8,7 @@ use super::blocks::{
 };
 use super::simd::Kernels;
 use super::team::Team;
+use super::widened::{self, Widened};
 use crate::backend::Precision;
 use crate::error::{Error, Result};
 use crate::weights::TensorView;
@@ -23,6 +24,8 @@ pub enum Rows {
     /// count is a multiple of eight.
     Q4_1x8(Vec<BlockQ4_1x8>),
     Q8x8(Vec<BlockQ8x8>),
+    /// Floats kept as stored (bf16, block FP8) in fast mode, widened to f32 as they are read.
+    Widened(Widened),
 }
 
 /// A group of consecutive output rows stored in one format.
@@ -121,6 +124,16 @@ fn prepare_part(v: &TensorView, precision: Precision) -> Result<Part> {
                     .collect(),
             )
         }
+        (Precision::Fast, DType::BF16) => Rows::Widened(Widened::Bf16(
+            bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+        )),
+        (Precision::Fast, DType::F8Blocks(width)) => Rows::Widened(Widened::F8Blocks {
+            width: width as usize,
+            data: bytes.to_vec(),
+        }),
         (Precision::Fast, DType::Q4_K) => Rows::Q4_1(repack_q4_k(bytes)),
         (Precision::Fast, DType::Q6_K) => Rows::Q8x16(repack_q6_k(bytes)),
         _ => Rows::F32(v.to_f32()),
@@ -245,6 +258,8 @@ impl CpuMatrix {
                 ));
             }
             let p = prepare_part(v)?;
+            // The weight is now in its prepared form: its file pages need not stay resident.
+            v.release_pages();
             // Stack onto the previous part when both use the same format.
             match (prepared.last_mut(), p) {
                 (Some(last), p) if same_format(&last.data, &p.data) => {
@@ -271,6 +286,7 @@ impl CpuMatrix {
             let nb = self.cols / QBLOCK;
             match &p.data {
                 Rows::F32(d) => out.copy_from_slice(&d[r * self.cols..(r + 1) * self.cols]),
+                Rows::Widened(w) => w.row_f32(r, self.cols, out),
                 Rows::Q4_1(b) => {
                     for (blk, o) in b[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(32)) {
                         let (d, m) = (
@@ -369,7 +385,7 @@ fn same_format(a: &Rows, b: &Rows) -> bool {
             | (Rows::Q8x16(_), Rows::Q8x16(_))
             | (Rows::Q4_1x8(_), Rows::Q4_1x8(_))
             | (Rows::Q8x8(_), Rows::Q8x8(_))
-    )
+    ) || matches!((a, b), (Rows::Widened(a), Rows::Widened(b)) if a.same_format(b))
 }
 
 fn append(a: &mut Rows, b: Rows) {
@@ -380,6 +396,7 @@ fn append(a: &mut Rows, b: Rows) {
         (Rows::Q8x16(x), Rows::Q8x16(y)) => x.extend(y),
         (Rows::Q4_1x8(x), Rows::Q4_1x8(y)) => x.extend(y),
         (Rows::Q8x8(x), Rows::Q8x8(y)) => x.extend(y),
+        (Rows::Widened(x), Rows::Widened(y)) => x.append(y),
         _ => unreachable!("append is only called on parts of the same format"),
     }
 }
@@ -411,7 +428,10 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
     let n = x.rows;
     assert_eq!(x.cols, w.cols, "matmul input width");
     out.resize(n, w.rows);
-    let needs_act = w.parts.iter().any(|p| !matches!(p.data, Rows::F32(_)));
+    let needs_act = w
+        .parts
+        .iter()
+        .any(|p| !matches!(p.data, Rows::F32(_) | Rows::Widened(_)));
     let nb = w.cols / QBLOCK;
     // f32 parts read `x` directly: one pass, no activation rows.
     let levels = if needs_act { ACT_LEVELS } else { 1 };
@@ -452,6 +472,20 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                     );
                 }
             }
+            Rows::Widened(rows) => widened::matmul(
+                k,
+                team,
+                x,
+                rows,
+                p.rows,
+                widened::Dest {
+                    out: out_ptr.0,
+                    stride: out_stride,
+                    col0,
+                },
+                chunk_rows(p.rows, n),
+                GEMM_MIN_TOKENS,
+            ),
             Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
                 let groups = p.rows / 8;
                 // An even count: the 512-bit kernels take groups two at a time.
@@ -597,6 +631,7 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                             if block == 4 {
                                 let vals = match data {
                                     Rows::F32(_) => unreachable!("four f32 rows take dot4x2 above"),
+                                    Rows::Widened(_) => unreachable!("widened rows matched above"),
                                     Rows::Q4_1(b) => (k.dot4_q4_1)(
                                         [0, 1, 2, 3].map(|i| &b[(r + i) * nb..(r + i + 1) * nb]),
                                         at,
@@ -626,6 +661,7 @@ pub fn matmul(k: &Kernels, team: &Team, x: &CpuBuffer, w: &CpuMatrix, out: &mut 
                                     Rows::Q4_1(b) => (k.dot_q4_1)(&b[r * nb..(r + 1) * nb], at),
                                     Rows::Q8_0(b) => (k.dot_q8_0)(&b[r * nb..(r + 1) * nb], at),
                                     Rows::Q8x16(b) => (k.dot_q8x16)(&b[r * nb..(r + 1) * nb], at),
+                                    Rows::Widened(_) => unreachable!("widened rows matched above"),
                                     Rows::Q4_1x8(_) | Rows::Q8x8(_) => {
                                         unreachable!("handled as groups")
                                     }

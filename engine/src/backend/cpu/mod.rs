@@ -8,6 +8,7 @@ pub mod exp;
 pub mod matrix;
 pub mod simd;
 pub mod team;
+mod widened;
 #[cfg(target_arch = "x86_64")]
 mod x86_rows8;
 
@@ -15,7 +16,7 @@ pub use attention::CpuKvStore;
 pub use matrix::CpuMatrix;
 pub use simd::{Kernels, SimdLevel};
 
-use super::{Backend, Precision, RopeSpec, SeqSpan};
+use super::{Backend, KvLayout, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
 use crate::sampling::{RowDraw, RowResult, sample_row};
 use crate::weights::TensorView;
@@ -139,13 +140,14 @@ impl Backend for CpuBackend {
         n_blocks: usize,
         block_size: usize,
         kv_width: usize,
+        layout: KvLayout,
         precision: Precision,
     ) -> Result<CpuKvStore> {
         // f16 cells only where the AVX-512 attention kernel widens them as it loads; elsewhere
         // every task would have to widen its blocks first.
         let half = precision == Precision::Fast && self.kernels.level >= SimdLevel::Avx512Vnni;
         Ok(CpuKvStore::new(
-            n_layers, n_blocks, block_size, kv_width, half,
+            n_layers, n_blocks, block_size, kv_width, layout, half,
         ))
     }
 

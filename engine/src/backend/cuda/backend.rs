@@ -24,11 +24,13 @@ use super::gpu::Gpu;
 use super::graphs::{GraphMode, Graphs};
 use super::sample::{DeviceDraw, Draws};
 use super::staging::Staging;
-use crate::backend::{Backend, GraphPhase, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS};
+use crate::backend::{
+    Backend, GraphPhase, KvLayout, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS,
+};
 use crate::error::{Error, Result};
 use crate::parallel::Communicator;
 use crate::sampling::{RowDraw, RowResult};
-use crate::weights::TensorView;
+use crate::weights::{DType, TensorView};
 
 /// The attention kernel's limits (attention.cu): threads per block, keys per tile, and outputs
 /// (query heads of one KV head times head_dim) per thread.
@@ -48,15 +50,59 @@ pub(super) fn dev<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> E
 
 /// A weight matrix `[rows, cols]`, row-major bf16.
 pub struct CudaMatrix {
-    data: CudaSlice<bf16>,
+    pub(super) weights: Weights,
     pub rows: usize,
     pub cols: usize,
+}
+
+/// A matrix's values on the device.
+pub(super) enum Weights {
+    /// Row-major bf16: cuBLASLt multiplies it, `embed` reads its rows.
+    Bf16(CudaSlice<bf16>),
+    /// Row-major blocks as stored (`dequant.cu`'s `kiln_packed_matmul_bf16` reads them).
+    Packed {
+        bytes: CudaSlice<u8>,
+        format: PackedFormat,
+    },
+}
+
+/// The stored layouts the packed matmul reads, as its `format` and `width` arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PackedFormat {
+    /// GGUF's Q4_0 (Kimi-K2-Thinking's INT4 experts repacked): 18 bytes per 32 values.
+    Q4_0,
+    /// DeepSeek-V3's block FP8 as `F8Blocks(width)`, `width` a multiple of 32.
+    F8Blocks(usize),
+}
+
+impl PackedFormat {
+    /// The packed form of `dtype` for rows of `cols` values, where the kernel reads it.
+    pub(super) fn of(dtype: DType, cols: usize) -> Option<PackedFormat> {
+        if !cols.is_multiple_of(32) {
+            return None;
+        }
+        match dtype {
+            DType::Q4_0 => Some(PackedFormat::Q4_0),
+            DType::F8Blocks(w) if (w as usize).is_multiple_of(32) && w > 0 => {
+                Some(PackedFormat::F8Blocks(w as usize))
+            }
+            _ => None,
+        }
+    }
+
+    /// `(format, width, bytes per row)` as the kernel takes them.
+    pub(super) fn kernel_args(self, cols: usize) -> (i32, i32, i64) {
+        match self {
+            PackedFormat::Q4_0 => (0, 32, (cols / 32 * 18) as i64),
+            PackedFormat::F8Blocks(w) => (1, w as i32, (cols / w * (4 + w)) as i64),
+        }
+    }
 }
 
 /// Activations `[rows, cols]`, row-major bf16, in an allocation that only grows (the workspace
 /// is sized once for the largest step; a larger shape reallocates).
 pub struct CudaBuffer {
-    data: CudaSlice<bf16>,
+    pub(super) data: CudaSlice<bf16>,
     pub rows: usize,
     pub cols: usize,
 }
@@ -68,18 +114,25 @@ impl CudaBuffer {
     }
 }
 
-/// The paged KV cache: `[layer][K | V][slot][width]` bf16.
+/// The paged KV cache: `[layer][K | V][slot][width]` bf16, or `[layer][K][slot][width]` when
+/// the values are the keys (`KvLayout::KeysOnly`, MLA's latent cached once).
 pub struct CudaKvStore {
     cache: CudaSlice<bf16>,
     n_layers: usize,
     n_slots: usize,
     block_size: usize,
     width: usize,
+    keys_only: bool,
 }
 
 impl CudaKvStore {
     fn plane_len(&self) -> usize {
         self.n_slots * self.width
+    }
+
+    /// Planes per layer: K and V, or K alone.
+    fn planes(&self) -> usize {
+        if self.keys_only { 1 } else { 2 }
     }
 }
 
@@ -130,7 +183,15 @@ type RopeTable = (Vec<u32>, Arc<CudaSlice<f32>>);
 struct Scratch {
     part_acc: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
+    /// A tile of a packed matrix's rows widened to bf16 for cuBLASLt (prefill).
+    wide_weights: Option<CudaSlice<bf16>>,
 }
+
+/// Tokens above which a packed matrix is widened to bf16 a tile of rows at a time for cuBLASLt:
+/// the packed kernel reads the weights once per 8 tokens, which pays at decode, not at prefill.
+const PACKED_KERNEL_MAX_TOKENS: usize = 32;
+/// bf16 values of that tile: 32 MiB.
+const WIDE_TILE_VALUES: usize = 16 << 20;
 
 pub struct CudaBackend {
     gpu: Gpu,
@@ -170,6 +231,74 @@ fn to_bf16(values: &[f32]) -> Vec<bf16> {
 }
 
 impl CudaBackend {
+    /// `out = x · wᵀ` for a packed `w` and many tokens (prefill): a tile of rows at a time is
+    /// widened to bf16 on the device, then multiplied by cuBLASLt into its columns of `out`.
+    fn packed_gemm(
+        &self,
+        x: &CudaBuffer,
+        bytes: &CudaSlice<u8>,
+        format: PackedFormat,
+        rows: usize,
+        cols: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let tile_rows = (WIDE_TILE_VALUES / cols.max(1)).clamp(1, rows);
+        let mut guard = self
+            .scratch
+            .lock()
+            .map_err(|_| Error::Device("the weight tile scratch was poisoned".into()))?;
+        if guard
+            .wide_weights
+            .as_ref()
+            .is_none_or(|s| s.len() < tile_rows * cols)
+        {
+            self.may_allocate("the widened weight tile")?;
+            self.forget_graphs()?;
+            guard.wide_weights = Some(self.zeros(tile_rows * cols)?);
+        }
+        let Some(tile) = guard.wide_weights.as_mut() else {
+            return Err(Error::Device("weight tile scratch missing".into()));
+        };
+        let (_, _, row_bytes) = format.kernel_args(cols);
+        let row_bytes = row_bytes as usize;
+        let mut r0 = 0;
+        while r0 < rows {
+            let m = tile_rows.min(rows - r0);
+            let src = bytes.slice(r0 * row_bytes..(r0 + m) * row_bytes);
+            self.widen_packed(&src, format, m * cols, &mut tile.slice_mut(0..m * cols))?;
+            // Column-major as in `matmul`: out^T's rows r0..r0 + m = tile x^T.
+            let c = MatmulConfig {
+                transa: true,
+                transb: false,
+                transc: false,
+                m: m as u64,
+                n: x.rows as u64,
+                k: cols as u64,
+                alpha: 1.0,
+                lda: cols as i64,
+                ldb: x.cols as i64,
+                beta: 0.0,
+                ldc: rows as i64,
+                stride_a: None,
+                stride_b: None,
+                stride_c: None,
+                stride_bias: None,
+                batch_size: None,
+            };
+            if !self.replaying.load(Ordering::Relaxed) {
+                let a = tile.slice(0..m * cols);
+                let b = x.data.slice(0..x.rows * cols);
+                let mut o = out.data.slice_mut(r0..x.rows * rows);
+                // SAFETY: the tile holds m * cols values, x x.rows * cols; out's view from column
+                // r0 holds (x.rows - 1) * rows + m values at stride `rows`.
+                unsafe { self.blas.matmul(c, &a, &b, &mut o, None, None) }
+                    .map_err(dev("cuBLASLt matmul of a widened tile"))?;
+            }
+            r0 += m;
+        }
+        Ok(())
+    }
+
     /// Opens CUDA device `ordinal`; the error names what is missing (driver, device, NVRTC,
     /// cuBLASLt) or what failed.
     pub fn open(ordinal: usize) -> Result<CudaBackend> {
@@ -183,6 +312,7 @@ impl CudaBackend {
             blas,
             rope_tables: Mutex::new(Vec::new()),
             scratch: Mutex::new(Scratch {
+                wide_weights: None,
                 part_acc: None,
                 part_ml: None,
             }),
@@ -492,7 +622,18 @@ impl Backend for CudaBackend {
         format!("cuda ({}, sm_{major}{minor}, bf16)", self.gpu.name)
     }
 
-    fn matrix(&self, parts: &[TensorView], _precision: Precision) -> Result<CudaMatrix> {
+    fn matrix(&self, parts: &[TensorView], precision: Precision) -> Result<CudaMatrix> {
+        // Packed INT4 and FP8 stay as stored when every part shares one such layout.
+        if let Some(first) = parts.first()
+            && let Some(format) = PackedFormat::of(first.dtype, first.matrix_shape()?.1)
+            && parts.iter().all(|p| p.dtype == first.dtype)
+        {
+            return self.packed_matrix(parts, format);
+        }
+        self.embedding(parts, precision)
+    }
+
+    fn embedding(&self, parts: &[TensorView], _precision: Precision) -> Result<CudaMatrix> {
         // bf16 whatever the precision: the device loader refuses exact mode before any weight.
         let mut cols = None;
         let mut rows = 0;
@@ -514,9 +655,15 @@ impl Backend for CudaBackend {
         for p in parts {
             let n = p.n_elements();
             self.dequantize_into(p, &mut data.slice_mut(at..at + n))?;
+            // Uploaded: the host's file pages of this weight need not stay resident.
+            p.release_pages();
             at += n;
         }
-        Ok(CudaMatrix { data, rows, cols })
+        Ok(CudaMatrix {
+            weights: Weights::Bf16(data),
+            rows,
+            cols,
+        })
     }
 
     fn vector(&self, v: &TensorView) -> Result<CudaSlice<f32>> {
@@ -542,25 +689,30 @@ impl Backend for CudaBackend {
         n_blocks: usize,
         block_size: usize,
         kv_width: usize,
+        layout: KvLayout,
         _precision: Precision,
     ) -> Result<CudaKvStore> {
         if block_size == 0 {
             return Err(Error::Device("a KV block of 0 tokens".into()));
         }
         let n_slots = n_blocks * block_size;
-        let cache = self.zeros(n_layers * 2 * n_slots * kv_width).map_err(|e| {
-            Error::Device(format!(
-                "the KV cache ({n_slots} tokens, {} MiB) does not fit on the GPU: {e}; lower \
+        let planes = layout.rows_per_position();
+        let cache = self
+            .zeros(n_layers * planes * n_slots * kv_width)
+            .map_err(|e| {
+                Error::Device(format!(
+                    "the KV cache ({n_slots} tokens, {} MiB) does not fit on the GPU: {e}; lower \
                  --kv-tokens or --mem-fraction-static",
-                (n_layers * 2 * n_slots * kv_width * 2) >> 20
-            ))
-        })?;
+                    (n_layers * planes * n_slots * kv_width * 2) >> 20
+                ))
+            })?;
         Ok(CudaKvStore {
             cache,
             n_layers,
             n_slots,
             block_size,
             width: kv_width,
+            keys_only: layout == KvLayout::KeysOnly,
         })
     }
 
@@ -632,9 +784,15 @@ impl Backend for CudaBackend {
             (None, _) => self.stage(&vec![-1i32; ids.len()])?,
         };
         let drawn_d = self.drawn_tokens(fill)?;
+        let Weights::Bf16(data) = &table.weights else {
+            return Err(Error::Device(
+                "embed: the table is packed; embedding tables load through `embedding` as bf16"
+                    .into(),
+            ));
+        };
         let (vocab, width) = (int(table.rows), int(table.cols));
         let mut b = self.stream().launch_builder(self.f("kiln_embed_bf16")?);
-        b.arg(&table.data)
+        b.arg(data)
             .arg(&ids_d)
             .arg(&mut out.data)
             .arg(&vocab)
@@ -657,6 +815,15 @@ impl Backend for CudaBackend {
         if x.rows == 0 || w.rows == 0 {
             return Ok(());
         }
+        let data = match &w.weights {
+            Weights::Bf16(data) => data,
+            Weights::Packed { bytes, format } if x.rows <= PACKED_KERNEL_MAX_TOKENS => {
+                return self.packed_matmul(x, bytes, *format, w.rows, w.cols, out);
+            }
+            Weights::Packed { bytes, format } => {
+                return self.packed_gemm(x, bytes, *format, w.rows, w.cols, out);
+            }
+        };
         // Column-major view: out^T [w.rows, x.rows] = W [w.rows, cols] (row-major W read as
         // transposed column-major) times x^T [cols, x.rows].
         let c = MatmulConfig {
@@ -684,7 +851,7 @@ impl Backend for CudaBackend {
         // x.rows * cols, out at least x.rows * w.rows values.
         unsafe {
             self.blas
-                .matmul(c, &w.data, &x.data, &mut out.data, None, None)
+                .matmul(c, data, &x.data, &mut out.data, None, None)
         }
         .map_err(dev("cuBLASLt matmul"))
     }
@@ -831,11 +998,13 @@ impl Backend for CudaBackend {
         }
         let group = n_heads / n_kv_heads;
         let splits = self.attention_splits(n, n_kv_heads, meta.max_context);
-        let plane = kv.plane_len();
-        let k_plane = kv.cache.slice(2 * layer * plane..(2 * layer + 1) * plane);
-        let v_plane = kv
+        let (plane, planes) = (kv.plane_len(), kv.planes());
+        let k_plane = kv
             .cache
-            .slice((2 * layer + 1) * plane..(2 * layer + 2) * plane);
+            .slice(planes * layer * plane..(planes * layer + 1) * plane);
+        // Keys only: the values are read from the K plane.
+        let v_first = (planes * layer + planes - 1) * plane;
+        let v_plane = kv.cache.slice(v_first..v_first + plane);
         let mut guard = self
             .scratch
             .lock()
@@ -856,7 +1025,9 @@ impl Backend for CudaBackend {
                 *slot = Some(self.zeros(len)?);
             }
         }
-        let Scratch { part_acc, part_ml } = scratch;
+        let Scratch {
+            part_acc, part_ml, ..
+        } = scratch;
         let (Some(part_acc), Some(part_ml)) = (part_acc.as_mut(), part_ml.as_mut()) else {
             return Err(Error::Device("attention scratch missing".into()));
         };
@@ -934,19 +1105,25 @@ impl Backend for CudaBackend {
         if meta.n_tokens == 0 {
             return Ok(());
         }
-        if layer >= kv.n_layers || q_width + 2 * kv.width > qkv.cols {
+        if layer >= kv.n_layers || q_width + kv.planes() * kv.width > qkv.cols {
             return Err(Error::Device(format!(
                 "store_kv: layer {layer} of {}, rows of {} values for q {q_width} and K/V {}",
                 kv.n_layers, qkv.cols, kv.width
             )));
         }
         meta.check_fits(kv.block_size)?;
-        let plane = kv.plane_len();
+        let (plane, planes) = (kv.plane_len(), kv.planes());
         let mut layer_planes = kv
             .cache
-            .slice_mut(2 * layer * plane..(2 * layer + 2) * plane);
+            .slice_mut(planes * layer * plane..(planes * layer + planes) * plane);
+        // Keys only: an empty V plane and a V column of -1, which the kernel skips.
         let (mut k_plane, mut v_plane) = layer_planes.split_at_mut(plane);
-        let ints = [int(qkv.cols), int(q_width), int(q_width + kv.width)];
+        let v_col = if kv.keys_only {
+            -1
+        } else {
+            int(q_width + kv.width)
+        };
+        let ints = [int(qkv.cols), int(q_width), v_col];
         let (max_blocks, block_size, width) =
             (int(meta.max_blocks), int(kv.block_size), int(kv.width));
         let mut b = self.stream().launch_builder(self.f("kiln_kv_write_bf16")?);
@@ -994,6 +1171,7 @@ impl Backend for CudaBackend {
         let to: Vec<i32> = moves.iter().map(|m| slot(m.1)).collect::<Result<_>>()?;
         let (from_d, to_d) = (self.stage(&from)?, self.stage(&to)?);
         let (plane, width, n) = (kv.plane_len() as i64, int(kv.width), int(moves.len()));
+        let n_planes = kv.planes() * kv.n_layers;
         let mut b = self.stream().launch_builder(self.f("kiln_kv_move_bf16")?);
         b.arg(&mut kv.cache)
             .arg(&plane)
@@ -1001,14 +1179,8 @@ impl Backend for CudaBackend {
             .arg(&from_d)
             .arg(&to_d)
             .arg(&n);
-        // SAFETY: as attention.cu declares: one block per plane (2 per layer).
-        unsafe {
-            self.launch(
-                &mut b,
-                cfg((2 * kv.n_layers, 1, 1), 256, 0),
-                "kv move launch",
-            )
-        }?;
+        // SAFETY: as attention.cu declares: one block per plane (1 or 2 per layer).
+        unsafe { self.launch(&mut b, cfg((n_planes, 1, 1), 256, 0), "kv move launch") }?;
         Ok(())
     }
 

@@ -5,14 +5,15 @@
 use cudarc::driver::{CudaViewMut, PushKernelArg};
 use half::bf16;
 
-use super::backend::{CudaBackend, cfg};
+use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, PackedFormat, Weights, cfg};
 use crate::error::{Error, Result};
 use crate::weights::{DType, TensorView};
 
-/// dequant.cu's type code (the ggml type id) and how many values one stored block holds. Every
-/// type kiln reads has a case there; a new one fails to compile here until it gets one.
-pub fn kernel_code(dtype: DType) -> i32 {
-    match dtype {
+/// dequant.cu's type code (the ggml type id) for `kiln_dequant_bf16`. Every type kiln reads
+/// has a case there or a kernel of its own (`None`: block FP8, whose blocks vary in width); a
+/// new one fails to compile here until it gets one.
+pub fn kernel_code(dtype: DType) -> Option<i32> {
+    Some(match dtype {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::Q4_0 => 2,
@@ -24,7 +25,8 @@ pub fn kernel_code(dtype: DType) -> i32 {
         DType::Q5_K => 13,
         DType::Q6_K => 14,
         DType::BF16 => 30,
-    }
+        DType::F8Blocks(_) => return None,
+    })
 }
 
 impl CudaBackend {
@@ -52,7 +54,14 @@ impl CudaBackend {
             return Ok(());
         }
         let src = self.upload(bytes)?;
-        let code = kernel_code(t.dtype);
+        let Some(code) = kernel_code(t.dtype) else {
+            return self.dequantize_f8_blocks(
+                &src.slice(0..src.len()),
+                t.dtype.block_len(),
+                n,
+                dst,
+            );
+        };
         let n_blocks = (n / t.dtype.block_len()) as i64;
         let mut b = self.stream().launch_builder(self.f("kiln_dequant_bf16")?);
         b.arg(&src).arg(&code).arg(&n_blocks).arg(dst);
@@ -67,6 +76,146 @@ impl CudaBackend {
         }?;
         Ok(())
     }
+
+    /// `parts` stacked by rows, their stored bytes uploaded as they are (Kimi-K2's INT4 at 0.56
+    /// bytes a weight, DeepSeek-V3's FP8 at 1.03, instead of bf16's 2).
+    pub(super) fn packed_matrix(
+        &self,
+        parts: &[TensorView],
+        format: PackedFormat,
+    ) -> Result<CudaMatrix> {
+        let cols = parts
+            .first()
+            .map_or(Ok(0), |p| p.matrix_shape().map(|s| s.1))?;
+        let mut rows = 0;
+        let mut bytes = Vec::new();
+        for p in parts {
+            let (r, c) = p.matrix_shape()?;
+            if c != cols {
+                return Err(Error::tensor(
+                    &p.path,
+                    &p.name,
+                    format!("{c} columns, stacked with a matrix of {cols}"),
+                ));
+            }
+            rows += r;
+            bytes.extend_from_slice(p.bytes());
+        }
+        let (_, _, row_bytes) = format.kernel_args(cols);
+        if bytes.len() != rows * row_bytes as usize {
+            return Err(Error::Device(format!(
+                "{} bytes of {format:?} for [{rows}, {cols}]",
+                bytes.len()
+            )));
+        }
+        let bytes = self.upload(&bytes)?;
+        // Uploaded: the host's file pages of these weights need not stay resident.
+        parts.iter().for_each(TensorView::release_pages);
+        Ok(CudaMatrix {
+            weights: Weights::Packed { bytes, format },
+            rows,
+            cols,
+        })
+    }
+
+    /// `out = x · wᵀ` for a packed `w` of `rows x cols` (`out` already shaped `[x.rows, rows]`).
+    pub(super) fn packed_matmul(
+        &self,
+        x: &CudaBuffer,
+        w: &cudarc::driver::CudaSlice<u8>,
+        format: PackedFormat,
+        rows: usize,
+        cols: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        /// As dequant.cu's KILN_PACKED_TOKENS and KILN_PACKED_WARPS.
+        const TOKENS: usize = 8;
+        const WARPS: usize = 8;
+        if x.cols != cols || out.rows != x.rows || out.cols != rows {
+            return Err(Error::Device(format!(
+                "packed matmul: x [{}, {}], out [{}, {}] for a [{rows}, {cols}] matrix",
+                x.rows, x.cols, out.rows, out.cols
+            )));
+        }
+        let (format_i, width, row_bytes) = format.kernel_args(cols);
+        let (rows_i, cols_i, n_i) = (rows as i32, cols as i32, x.rows as i32);
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_packed_matmul_bf16")?);
+        b.arg(w)
+            .arg(&format_i)
+            .arg(&width)
+            .arg(&row_bytes)
+            .arg(&rows_i)
+            .arg(&cols_i)
+            .arg(&x.data)
+            .arg(&n_i)
+            .arg(&mut out.data);
+        // SAFETY: as dequant.cu declares: `w` holds rows * row_bytes bytes (checked when it was
+        // uploaded), x at least x.rows * cols values, out x.rows * rows; one warp per row.
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg(
+                    (rows.div_ceil(WARPS), x.rows.div_ceil(TOKENS), 1),
+                    32 * WARPS,
+                    0,
+                ),
+                "packed matmul launch",
+            )
+        }
+    }
+
+    /// `n` values of packed rows already on the device, as bf16 into `dst`.
+    pub(super) fn widen_packed(
+        &self,
+        src: &cudarc::driver::CudaView<u8>,
+        format: PackedFormat,
+        n: usize,
+        dst: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        match format {
+            PackedFormat::F8Blocks(width) => self.dequantize_f8_blocks(src, width, n, dst),
+            PackedFormat::Q4_0 => {
+                let (code, n_blocks) = (2i32, (n / 32) as i64);
+                let mut b = self.stream().launch_builder(self.f("kiln_dequant_bf16")?);
+                b.arg(src).arg(&code).arg(&n_blocks).arg(dst);
+                // SAFETY: `src` holds n / 32 Q4_0 blocks (the caller sliced whole rows) and
+                // `dst` n values; one thread per block.
+                unsafe {
+                    self.launch(
+                        &mut b,
+                        cfg(((n / 32).div_ceil(256), 1, 1), 256, 0),
+                        "packed widen launch",
+                    )
+                }
+            }
+        }
+    }
+
+    /// `F8Blocks(width)` values (`n` of them, already on the device in `src`) as bf16 into `dst`.
+    fn dequantize_f8_blocks(
+        &self,
+        src: &cudarc::driver::CudaView<u8>,
+        width: usize,
+        n: usize,
+        dst: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let (width, n_values) = (width as i32, n as i64);
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_dequant_f8_blocks_bf16")?);
+        b.arg(src).arg(&width).arg(&n_values).arg(dst);
+        // SAFETY: the caller checked that `src` holds exactly the whole blocks of n values and
+        // `dst` n values; the kernel reads block i / width of 4 + width bytes for value i.
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((n.div_ceil(256), 1, 1), 256, 0),
+                "FP8 dequantize launch",
+            )
+        }
+    }
 }
 
 #[cfg(test)]
@@ -77,7 +226,7 @@ mod tests {
     fn every_type_s_kernel_code_is_its_ggml_id() {
         for id in 0..40 {
             if let Some(d) = DType::from_ggml(id) {
-                assert_eq!(kernel_code(d), id as i32, "{d:?}");
+                assert_eq!(kernel_code(d), Some(id as i32), "{d:?}");
             }
         }
     }

@@ -63,7 +63,11 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "dequant.cu",
         source: include_str!("kernels/dequant.cu"),
-        entry_points: &["kiln_dequant_bf16"],
+        entry_points: &[
+            "kiln_dequant_bf16",
+            "kiln_dequant_f8_blocks_bf16",
+            "kiln_packed_matmul_bf16",
+        ],
     },
     KernelSource {
         file: "sampling.cu",

@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::parity::{OpParity, rel_error, result};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, Precision, RopeSpec, SeqSpan, TreeMask};
+use crate::backend::{Backend, KvLayout, Precision, RopeSpec, SeqSpan, TreeMask};
 use crate::error::Result;
 use crate::sampling::{Penalty, RowDraw, RowResult, SamplingParams, TokenMask};
 use crate::weights::{DType, TensorView};
@@ -50,6 +50,15 @@ fn stored(rng: &mut ChaCha8Rng, dtype: DType, rows: usize, cols: usize) -> Resul
             .iter()
             .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
             .collect(),
+        DType::F8Blocks(width) => {
+            // An f32 scale, then e4m3 bytes short of the NaN pattern.
+            let mut b = Vec::new();
+            for _ in 0..n / width as usize {
+                b.extend_from_slice(&rng.random_range(0.001f32..0.01).to_le_bytes());
+                b.extend((0..width).map(|_| rng.random::<u8>() & 0xf7));
+            }
+            b
+        }
         _ => {
             let block = dtype.block_bytes();
             let scales: &[usize] = match dtype {
@@ -117,16 +126,39 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
+        DType::F8Blocks(128),
         DType::F16,
         DType::BF16,
         DType::F32,
     ] {
         let (rows, cols) = (6usize, 512usize);
         let t = stored(&mut rng, dtype, rows, cols)?;
-        let m = b.matrix(&[t], Precision::Exact)?;
+        let m = b.embedding(&[t], Precision::Exact)?;
         let mut y = b.buffer(0, 0)?;
         b.embed(&m, &(0..rows as u32).collect::<Vec<_>>(), None, &mut y)?;
         out.push((format!("weights stored as {dtype:?}"), b.to_host(&y)?));
+    }
+
+    // Weights multiplied as stored (the GPU keeps INT4 and FP8 packed): a decode row and a token
+    // tile and a half through the packed kernel, a prefill through widened tiles and cuBLASLt;
+    // rows that leave a partial block of warps, two parts stacked.
+    for dtype in [DType::Q4_0, DType::F8Blocks(128)] {
+        let (rows, cols) = (44usize, 512usize);
+        let parts = [
+            stored(&mut rng, dtype, 20, cols)?,
+            stored(&mut rng, dtype, rows - 20, cols)?,
+        ];
+        let m = b.matrix(&parts, Precision::Exact)?;
+        for n in [1usize, 12, 40] {
+            let x = random(&mut rng, n * cols, 1.0);
+            let xb = buffer(b, n, cols, &x)?;
+            let mut y = b.buffer(0, 0)?;
+            b.matmul(&xb, &m, &mut y)?;
+            out.push((
+                format!("matmul {n}x{cols} * {dtype:?} {rows}x{cols}^T"),
+                b.to_host(&y)?,
+            ));
+        }
     }
 
     // Bias, norms, activation, residual add.
@@ -194,7 +226,7 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
             tree: None,
         }];
         // The metadata needs a KV store's block size on the GPU.
-        let _kv = b.kv_store(1, 512, 16, hd, Precision::Exact)?;
+        let _kv = b.kv_store(1, 512, 16, hd, KvLayout::KeysAndValues, Precision::Exact)?;
         let meta = b.step_meta(&positions, &spans)?;
         b.rope(&mut qkv, 0, heads, &meta, &spec)?;
         b.rope(&mut qkv, heads * hd, 1, &meta, &spec)?;
@@ -211,18 +243,27 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
         ));
     }
 
-    out.extend(attention(b, &mut rng)?);
+    out.extend(attention(b, &mut rng, KvLayout::KeysAndValues)?);
+    // MLA's layout: the values are read from the keys.
+    for (name, values) in attention(b, &mut rng, KvLayout::KeysOnly)? {
+        out.push((format!("{name} (keys only)"), values));
+    }
     Ok(out)
 }
 
 /// Paged attention through the step metadata: a 600-token prefill in chunks, then one step with
 /// that sequence decoding (long enough that the GPU splits it), a second sequence prefilling
-/// causally and a third verifying a 5-node tree; then tree KV moves and one more decode.
-fn attention<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
+/// causally and a third verifying a 5-node tree; then tree KV moves and one more decode. In a
+/// store of `layout`.
+fn attention<B: Backend>(
+    b: &B,
+    rng: &mut ChaCha8Rng,
+    layout: KvLayout,
+) -> Result<Vec<(String, Vec<f32>)>> {
     let (heads, kv_heads, hd, block) = (8usize, 2usize, 64usize, 16usize);
     let (q_w, kv_w) = (heads * hd, kv_heads * hd);
     let width = q_w + 2 * kv_w;
-    let mut kv = b.kv_store(2, 64, block, kv_w, Precision::Exact)?;
+    let mut kv = b.kv_store(2, 64, block, kv_w, layout, Precision::Exact)?;
     // Scattered blocks: sequence A 0..38, B 40..42, C 50..52 in a shuffled order.
     let table_a: Vec<u32> = (0..38).map(|i| (i * 7 + 3) % 38).collect();
     let table_b: Vec<u32> = vec![41, 40];
@@ -540,7 +581,7 @@ mod tests {
     fn every_case_runs_on_the_cpu_backend() {
         let cpu = CpuBackend::with_threads(2);
         let out = outputs(&cpu, 7).expect("the cases run");
-        assert_eq!(out.len(), 29);
+        assert_eq!(out.len(), 41);
         for (case, values) in &out {
             assert!(
                 !values.is_empty() && values.iter().all(|v| v.is_finite()),

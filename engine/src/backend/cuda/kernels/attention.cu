@@ -33,14 +33,15 @@ extern "C" __global__ void kiln_kv_write_bf16(
     const long slot = (long)block * block_size + pos % block_size;
     for (int i = threadIdx.x; i < kv_width; i += blockDim.x) {
         k_cache[slot * kv_width + i] = qkv[row * row_stride + k_col + i];
-        v_cache[slot * kv_width + i] = qkv[row * row_stride + v_col + i];
+        // v_col -1: the store keeps keys only (MLA reads its values from them).
+        if (v_col >= 0) v_cache[slot * kv_width + i] = qkv[row * row_stride + v_col + i];
     }
 }
 
 // Moves cached rows within every layer, in order: for each move m, slot to[m] gets what slot
 // from[m] held (tree verification keeps the accepted path). Sequential across moves (a later move
-// may read what an earlier one wrote), parallel within a row. Grid: planes (2 per layer); the
-// cache is planes of n_slots * width values each.
+// may read what an earlier one wrote), parallel within a row. Grid: planes (2 per layer, 1 when
+// the store keeps keys only); the cache is planes of n_slots * width values each.
 extern "C" __global__ void kiln_kv_move_bf16(
     bf16* __restrict__ cache, long plane_len, int width,
     const int* __restrict__ from, const int* __restrict__ to, int n_moves) {

@@ -142,3 +142,82 @@ extern "C" __global__ void kiln_dequant_bf16(const u8* __restrict__ src, int dty
     default: break;
     }
 }
+
+// DeepSeek-V3's block FP8 as kiln keeps it (weights/dtype.rs `F8Blocks`): per block an f32 scale,
+// then `width` e4m3 bytes (never the NaN pattern, refused at load). One thread per value: the
+// blocks are 132 bytes at DeepSeek's width, and a thread per block would leave most lanes idle.
+__device__ __forceinline__ float e4m3_to_f32(u8 b) {
+    const u32 magnitude = b & 0x7f;
+    const float v = magnitude < 8 ? (float)magnitude * (1.0f / 512.0f)
+                                  : __uint_as_float((magnitude << 20) + (120u << 23));
+    return (b & 0x80) ? -v : v;
+}
+
+extern "C" __global__ void kiln_dequant_f8_blocks_bf16(const u8* __restrict__ src, int width,
+                                                       long n_values, bf16* __restrict__ dst) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_values) return;
+    const u8* block = src + (i / width) * (4 + width);
+    const float scale = __uint_as_float(u32_at(block));
+    dst[i] = f32_to_bf16(e4m3_to_f32(block[4 + i % width]) * scale);
+}
+
+// Weights multiplied as stored (W4A16 / W8A16): Kimi-K2-Thinking's INT4 experts as Q4_0 blocks and
+// DeepSeek-V3's block FP8 as F8Blocks stay packed in GPU memory, a quarter and a half of bf16, and
+// this kernel reads them with bf16 activations. One warp per output row, its lanes striding over the
+// row's 32-value chunks, KILN_PACKED_TOKENS tokens per pass so each weight byte is read once per
+// pass: decode at small batch is bound by that read. Plain loads and FMAs, no tensor-core-only
+// paths, so one source serves sm_90 and sm_120. out[t][row] = sum_c w[row][c] * x[t][c].
+//
+// format 0: Q4_0, row_bytes = cols / 32 * 18. format 1: F8Blocks(width), width a multiple of 32,
+// row_bytes = cols / width * (4 + width). Grid: (ceil(rows / KILN_PACKED_WARPS),
+// ceil(n / KILN_PACKED_TOKENS)); block: 32 * KILN_PACKED_WARPS threads.
+#define KILN_PACKED_TOKENS 8
+#define KILN_PACKED_WARPS 8
+
+__device__ __forceinline__ void packed_chunk(const u8* row, int format, int width, int c, float* v) {
+    if (format == 0) {
+        const u8* b = row + (long)c * 18;
+        const float d = f16_at(b);
+        for (int j = 0; j < 16; j++) {
+            v[j] = (float)((int)(b[2 + j] & 0x0f) - 8) * d;
+            v[j + 16] = (float)((int)(b[2 + j] >> 4) - 8) * d;
+        }
+    } else {
+        const int first = c * 32;
+        const u8* block = row + (long)(first / width) * (4 + width);
+        const float scale = __uint_as_float(u32_at(block));
+        const u8* q = block + 4 + first % width;
+        for (int j = 0; j < 32; j++) v[j] = e4m3_to_f32(q[j]) * scale;
+    }
+}
+
+extern "C" __global__ void kiln_packed_matmul_bf16(const u8* __restrict__ w, int format, int width,
+                                                   long row_bytes, int rows, int cols,
+                                                   const bf16* __restrict__ x, int n,
+                                                   bf16* __restrict__ out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * KILN_PACKED_WARPS + warp;
+    // The whole warp shares its row: it leaves together, before any shuffle.
+    if (row >= rows) return;
+    const int t0 = blockIdx.y * KILN_PACKED_TOKENS;
+    const int nt = min(KILN_PACKED_TOKENS, n - t0);
+    const u8* wr = w + (long)row * row_bytes;
+    float acc[KILN_PACKED_TOKENS];
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) acc[t] = 0.f;
+    float v[32];
+    for (int c = lane; c < cols / 32; c += 32) {
+        packed_chunk(wr, format, width, c, v);
+        for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+            if (t >= nt) break;
+            const bf16* xr = x + (long)(t0 + t) * cols + c * 32;
+            float s = 0.f;
+            for (int j = 0; j < 32; j++) s += v[j] * bf16_to_f32(xr[j]);
+            acc[t] += s;
+        }
+    }
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) out[(long)(t0 + t) * rows + row] = f32_to_bf16(s);
+    }
+}
