@@ -5,11 +5,13 @@
 //! rank's next or pending collective return [`CommError::PeerFailed`] instead of waiting forever, so
 //! a failing rank takes the whole group down cleanly rather than hanging the server.
 
+mod oneshot;
 mod peers;
 mod shard;
 mod threads;
 pub mod tp;
 
+pub use oneshot::OneShotComm;
 pub use peers::{PeerConfig, TpGroup, TpPeers};
 pub use shard::{Shard, ShardPlan};
 pub use threads::ThreadComm;

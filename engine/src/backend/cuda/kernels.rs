@@ -70,6 +70,11 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        file: "allreduce.cu",
+        source: include_str!("kernels/allreduce.cu"),
+        entry_points: &["kiln_oneshot_allreduce_bf16"],
+    },
+    KernelSource {
         file: "sampling.cu",
         source: include_str!("kernels/sampling.cu"),
         entry_points: &[
