@@ -12,8 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kiln::backend::cpu::CpuBackend;
-use kiln::backend::{Backend, KvLayout, Precision, SeqSpan};
-use kiln::kv_cache::{BlockAllocator, SeqBlocks};
+use kiln::backend::{KvLayout, Precision, SeqSpan};
 use kiln::load::{LoadedModel, load_model, open_weights};
 use kiln::model::mla::MlaForm;
 use kiln::model::moe::route;
@@ -156,22 +155,8 @@ fn absorbed_steps(
     prompt: &[u32],
     layout: KvLayout,
 ) -> (Vec<Vec<f32>>, usize) {
-    let c = m.config();
     let n = prompt.len();
-    let mut alloc = BlockAllocator::new(n.div_ceil(16), 16);
-    let mut seq = SeqBlocks::default();
-    seq.reserve(&mut alloc, n).expect("kv");
-    let mut kv = m
-        .backend
-        .kv_store(
-            c.n_layers,
-            n.div_ceil(16),
-            16,
-            c.kv_width(),
-            layout,
-            m.model.precision,
-        )
-        .expect("kv store");
+    let (seq, mut kv) = common::paged_sequence(m, n, layout);
     let mut ws = Workspace::new(&m.backend).expect("workspace");
     let mut logits = Vec::new();
     let mut start = 0;

@@ -150,24 +150,35 @@ pub fn write_gguf(
     std::fs::write(path, b).expect("write gguf");
 }
 
-/// One forward of `tokens` from an empty paged cache; the logits of `rows`.
-pub fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) -> Vec<Vec<f32>> {
+/// Blocks of 16 for one sequence of `n` tokens, and a KV store of `layout` holding just them.
+pub fn paged_sequence(
+    m: &LoadedModel<CpuBackend>,
+    n: usize,
+    layout: kiln::backend::KvLayout,
+) -> (SeqBlocks, kiln::backend::cpu::CpuKvStore) {
     let c = m.config();
-    let n = tokens.len();
     let mut alloc = BlockAllocator::new(n.div_ceil(16), 16);
     let mut seq = SeqBlocks::default();
     seq.reserve(&mut alloc, n).expect("kv");
-    let mut kv = m
+    let kv = m
         .backend
         .kv_store(
             c.n_layers,
             n.div_ceil(16),
             16,
             c.kv_width(),
-            c.kv_layout(),
+            layout,
             m.model.precision,
         )
         .expect("backend op");
+    (seq, kv)
+}
+
+/// One forward of `tokens` from an empty paged cache; the logits of `rows`.
+pub fn logits_at(m: &LoadedModel<CpuBackend>, tokens: &[u32], rows: &[usize]) -> Vec<Vec<f32>> {
+    let c = m.config();
+    let n = tokens.len();
+    let (seq, mut kv) = paged_sequence(m, n, c.kv_layout());
     let positions: Vec<usize> = (0..n).collect();
     let spans = [SeqSpan {
         first_token: 0,

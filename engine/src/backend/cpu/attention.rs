@@ -2,10 +2,10 @@
 //! sequence's block table maps its logical blocks to physical ones, so sequences of any length share one
 //! pool without copying.
 
-use super::CpuBuffer;
 use super::blocks::{f16_to_f32, f32_to_f16};
 use super::simd::Kernels;
 use super::team::Team;
+use super::{CpuBuffer, OutPtr};
 
 thread_local! {
     /// Attention scores of the task this thread runs, reused across tasks.
@@ -147,11 +147,6 @@ impl CpuKvStore {
         }
     }
 }
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 /// Writes the K and V rows of every span's tokens (`[q (q_width) | k | v]` rows) to the cache.
 pub fn store_kv(

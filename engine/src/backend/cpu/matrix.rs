@@ -1,7 +1,6 @@
 //! Weight matrices on the CPU: preparation from stored tensors (dequantize or repack) and the
 //! multi-threaded matmul over them.
 
-use super::CpuBuffer;
 use super::blocks::{
     BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8Act, BlockQ8x8, BlockQ8x16, QBLOCK, f32_to_f16,
     quantize_two_level,
@@ -9,6 +8,7 @@ use super::blocks::{
 use super::simd::Kernels;
 use super::team::Team;
 use super::widened::{self, Widened};
+use super::{CpuBuffer, OutPtr};
 use crate::backend::Precision;
 use crate::error::{Error, Result};
 use crate::weights::TensorView;
@@ -400,12 +400,6 @@ fn append(a: &mut Rows, b: Rows) {
         _ => unreachable!("append is only called on parts of the same format"),
     }
 }
-
-/// A raw output pointer shared by the threads of one matmul; each thread writes disjoint elements.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 /// Chunks are sized for this many threads; more chunks than threads lets fast threads take more.
 const TEAM_THREADS_HINT: usize = 4;

@@ -12,6 +12,13 @@ mod widened;
 #[cfg(target_arch = "x86_64")]
 mod x86_rows8;
 
+/// A raw output pointer shared by the threads of one op (a matmul, attention); each thread
+/// writes disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
 pub use attention::CpuKvStore;
 pub use matrix::CpuMatrix;
 pub use simd::{Kernels, SimdLevel};

@@ -5,9 +5,9 @@
 
 use std::cell::RefCell;
 
-use super::CpuBuffer;
 use super::simd::Kernels;
 use super::team::Team;
+use super::{CpuBuffer, OutPtr};
 use crate::weights::dtype::decode_f8_block;
 
 /// Stored float rows, row-major.
@@ -69,12 +69,6 @@ thread_local! {
     /// Each team thread's tile, kept between matmuls: decode steps run hundreds a second.
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
-
-/// A raw output pointer shared by the threads of one matmul; each writes disjoint elements.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 /// Where one part's results go: `out` at column `col0`, rows `stride` apart.
 pub struct Dest {
