@@ -4,7 +4,8 @@
 //! checkpoint layout) and compressed-tensors INT4 experts (Kimi-K2-Thinking's). Logits at two
 //! prompt positions, the greedy continuation through the paged cache (prefill, then one-token
 //! decode steps over the cached latents), the router's decisions, and tensor parallelism
-//! (heads and experts split over 2 and 4 rank threads) against the whole model.
+//! (heads and experts split over 2 and 4 rank threads, and over 8 on the 8-head pair) against the
+//! whole model and transformers.
 
 mod common;
 
@@ -321,6 +322,41 @@ fn heads_and_experts_split_over_2_and_4_ranks_match_the_whole_model() {
         for world in [2, 4] {
             let split = run(world);
             assert_eq!(split.tokens, whole.tokens, "{name}: TP={world} vs TP=1");
+            for (a, b) in split.logits.iter().zip(&whole.logits) {
+                let e = common::rel_err(a, b);
+                assert!(e < 1e-4, "{name}: TP={world} logits differ by {e:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn eight_head_models_split_over_2_4_and_8_ranks_match_the_whole_model_and_transformers() {
+    // One query head and one routed expert per rank at TP = 8, as Kimi-K2 on the reference box
+    // holds 8 of its 64 heads and 48 of its 384 experts per GPU.
+    let f = common::fixture("tiny-deepseek-8h.json");
+    let models = f["models"].as_array().expect("models");
+    assert_eq!(models.len(), 2);
+    for case in models {
+        let name = case["name"].as_str().expect("name");
+        let path = fixture_dir(case);
+        let prompt = ids(case, "prompt_ids");
+        let reference = ids(case, "greedy_ids");
+        let last = floats(case, "last_logits");
+        let run = |world| tp_greedy(&path, world, &prompt, reference.len(), name);
+        let whole = run(1);
+        assert_eq!(whole.tokens, reference, "{name}: TP=1 vs transformers");
+        for world in [2, 4, 8] {
+            let split = run(world);
+            assert_eq!(
+                split.tokens, reference,
+                "{name}: TP={world} vs transformers"
+            );
+            let e = common::rel_err(&split.logits[0], &last);
+            assert!(
+                e < 1e-4,
+                "{name}: TP={world} prompt logits vs transformers: {e:e}"
+            );
             for (a, b) in split.logits.iter().zip(&whole.logits) {
                 let e = common::rel_err(a, b);
                 assert!(e < 1e-4, "{name}: TP={world} logits differ by {e:e}");

@@ -234,7 +234,6 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
         model,
         precision: Precision::Exact,
         threads_per_rank: 1,
-        n_blocks: 4,
         block_size: 16,
     };
     // A peer that cannot load fails the start with the loading error.
@@ -248,6 +247,7 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
     // all-reduce times out and its step reports that, well before any test timeout.
     let mut comms = ThreadComm::group(2, Duration::from_millis(500));
     let peers = TpPeers::spawn(cfg(dir), comms.split_off(1)).expect("peer loads");
+    peers.size_caches(4).expect("peer sizes its cache");
     let table = [0u32];
     let spans = [SeqSpan {
         first_token: 0,

@@ -381,6 +381,17 @@ pub trait Backend: Send + Sync {
     }
     /// Leaves graph mode after a failure between begin and end.
     fn abort_graph(&self) {}
+    /// Joins the tensor-parallel group whose ranks are the threads behind `host`: every rank
+    /// calls it at once, before loading its shard. Returns the communicator this backend's
+    /// collectives run over (CUDA: an NCCL communicator on its GPU), or `None` when the host one
+    /// serves (the CPU, whose buffers are host memory).
+    fn group_communicator(
+        &self,
+        host: &crate::parallel::ThreadComm,
+    ) -> Result<Option<Box<dyn crate::parallel::Communicator>>> {
+        let _ = host;
+        Ok(None)
+    }
     /// Sums `x` across the tensor-parallel group in place (CPU: threads; CUDA: NCCL).
     fn all_reduce_sum(
         &self,

@@ -81,7 +81,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default(),
     );
-    a.device.check(a.mode, 1)?;
+    a.device.check(a.mode)?;
     let job = Generate { a: &a, path, bar };
     a.device.with_backend(a.threads, job)?
 }

@@ -5,16 +5,18 @@
 //! rank's next or pending collective return [`CommError::PeerFailed`] instead of waiting forever, so
 //! a failing rank takes the whole group down cleanly rather than hanging the server.
 
+mod deadline;
 mod oneshot;
 mod peers;
 mod shard;
 mod threads;
 pub mod tp;
 
+pub use deadline::{Progress, await_collective};
 pub use oneshot::OneShotComm;
 pub use peers::{PeerConfig, TpGroup, TpPeers};
 pub use shard::{Shard, ShardPlan};
-pub use threads::ThreadComm;
+pub use threads::{GroupHealth, ThreadComm};
 
 use std::time::Duration;
 
@@ -29,6 +31,8 @@ pub enum CommError {
         waited: Duration,
         missing: Vec<usize>,
     },
+    #[error("tensor-parallel rank {rank}'s device collective failed: {what}")]
+    Device { rank: usize, what: String },
     #[error("rank {rank} passed {got} values to a collective the others called with {expected}")]
     LengthMismatch {
         rank: usize,
@@ -48,4 +52,10 @@ pub trait Communicator: Send {
     fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), CommError>;
     /// Marks this rank failed: the others' collectives return `PeerFailed` from now on.
     fn abort(&self);
+    /// The device-side communicator behind this one, for a backend that sums its own buffers
+    /// where they live (CUDA: NCCL on device memory) and downcasts to its own type; `None` for a
+    /// host communicator, whose sums go through host copies.
+    fn device(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }

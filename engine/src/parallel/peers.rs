@@ -3,6 +3,11 @@
 //! shard, KV store and workspace, fed every step's batch by rank 0 while it runs its own shard.
 //! Block tables and positions are rank 0's: all ranks address the same KV blocks, each holding its
 //! own heads' part of them. [`TpGroup::step`] is the one place a step crosses the group.
+//!
+//! Start-up order: every rank builds its backend on its own device (rank r on GPU r) and joins the
+//! group's device communicator at once (NCCL's init is collective); the peers then load their
+//! shards while rank 0 loads its own; the KV caches are sized last, once rank 0 knows how much
+//! memory its weights left ([`TpGroup::size_caches`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,11 +52,19 @@ impl OwnedBatch {
     }
 }
 
-/// What a peer reports: loaded, or one step done (its logits are rank 0's too, so only errors matter).
+/// What a peer reports: joined, loaded, cache sized, or one step done (its logits are rank 0's
+/// too, so only errors matter).
 type Report = (usize, Result<()>);
 
+/// Work rank 0 hands a peer.
+enum PeerJob {
+    /// Allocate the KV cache with this many blocks (once, before the first step).
+    SizeCache(usize),
+    Step(Arc<OwnedBatch>),
+}
+
 pub struct TpPeers {
-    jobs: Vec<Sender<Arc<OwnedBatch>>>,
+    jobs: Vec<Sender<PeerJob>>,
     reports: Receiver<Report>,
     handles: Vec<JoinHandle<()>>,
 }
@@ -63,14 +76,13 @@ pub struct PeerConfig {
     pub model: PathBuf,
     pub precision: Precision,
     pub threads_per_rank: usize,
-    pub n_blocks: usize,
     pub block_size: usize,
 }
 
 fn peer_main(
     cfg: &PeerConfig,
     comm: &ThreadComm,
-    jobs: Receiver<Arc<OwnedBatch>>,
+    jobs: Receiver<PeerJob>,
     reports: &Sender<Report>,
 ) {
     let peer = Peer {
@@ -79,17 +91,29 @@ fn peer_main(
         jobs,
         reports,
     };
-    if let Err(e) = cfg.device.with_backend(Some(cfg.threads_per_rank), peer) {
-        comm.abort();
-        let _ = reports.send((comm.rank(), Err(e)));
-    }
+    let rank = comm.rank();
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        cfg.device
+            .with_backend_on(rank, Some(cfg.threads_per_rank), peer)
+    }));
+    // Rank 0 waits for a report per phase: a rank that cannot run, or panics, still sends one.
+    let failure = match run {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e,
+        Err(_) => Error::Parallel(CommError::Device {
+            rank,
+            what: "the rank's thread panicked".into(),
+        }),
+    };
+    comm.abort();
+    let _ = reports.send((rank, Err(failure)));
 }
 
 /// One peer rank's life over the backend its device gives: load, then a step per job.
 struct Peer<'a> {
     cfg: &'a PeerConfig,
     comm: &'a ThreadComm,
-    jobs: Receiver<Arc<OwnedBatch>>,
+    jobs: Receiver<PeerJob>,
     reports: &'a Sender<Report>,
 }
 
@@ -104,6 +128,16 @@ impl WithBackend for Peer<'_> {
             reports,
         } = self;
         let rank = comm.rank();
+        let fail = |e: Error| {
+            comm.abort();
+            let _ = reports.send((rank, Err(e)));
+        };
+        let device_comm = match backend.group_communicator(comm) {
+            Ok(d) => d,
+            Err(e) => return fail(e),
+        };
+        let _ = reports.send((rank, Ok(())));
+        let comm: &dyn Communicator = device_comm.as_deref().unwrap_or(comm);
         let loaded = (|| -> Result<_> {
             let (store, config) = crate::load::open_weights(&cfg.model)?;
             let shard = Shard {
@@ -112,51 +146,37 @@ impl WithBackend for Peer<'_> {
             };
             let model =
                 Llama::load_shard(&backend, config, &store, cfg.precision, shard, |_, _| {})?;
-            let kv = backend.kv_store(
-                model.config.n_layers,
-                cfg.n_blocks,
-                cfg.block_size,
-                model.local_kv_width(),
-                model.config.kv_layout(),
-                cfg.precision,
-            )?;
             let ws = Workspace::new(&backend)?;
-            Ok((model, kv, ws))
+            Ok((model, ws))
         })();
-        let (model, mut kv, mut ws) = match loaded {
+        let (model, mut ws) = match loaded {
             Ok(l) => {
                 let _ = reports.send((rank, Ok(())));
                 l
             }
-            Err(e) => {
-                comm.abort();
-                let _ = reports.send((rank, Err(e)));
-                return;
-            }
+            Err(e) => return fail(e),
         };
+        let mut kv = None;
         // Until the engine drops its senders (shutdown) or a step fails.
         while let Ok(job) = jobs.recv() {
-            let spans: Vec<SeqSpan> = job
-                .spans
-                .iter()
-                .map(|(first, n, start, table)| SeqSpan {
-                    first_token: *first,
-                    n_tokens: *n,
-                    start_pos: *start,
-                    block_table: table,
-                    tree: None,
-                })
-                .collect();
-            let batch = ForwardBatch {
-                tokens: &job.tokens,
-                positions: &job.positions,
-                spans: &spans,
-                logit_rows: &job.logit_rows,
-                fill: None,
+            let out = match job {
+                PeerJob::SizeCache(n_blocks) => backend
+                    .kv_store(
+                        model.config.n_layers,
+                        n_blocks,
+                        cfg.block_size,
+                        model.local_kv_width(),
+                        model.config.kv_layout(),
+                        cfg.precision,
+                    )
+                    .map(|store| kv = Some(store)),
+                PeerJob::Step(job) => match kv.as_mut() {
+                    Some(kv) => step(&backend, &model, kv, &mut ws, &job, comm),
+                    None => Err(Error::Device(format!(
+                        "tensor-parallel rank {rank} got a step before its KV cache"
+                    ))),
+                },
             };
-            let out = model
-                .forward_sharded(&backend, &mut kv, &batch, &mut ws, comm)
-                .map(|_| ());
             let failed = out.is_err();
             if failed {
                 comm.abort();
@@ -169,15 +189,55 @@ impl WithBackend for Peer<'_> {
     }
 }
 
+/// One step of a peer's shard over the batch rank 0 handed out.
+fn step<B: Backend>(
+    backend: &B,
+    model: &Llama<B>,
+    kv: &mut B::KvStore,
+    ws: &mut Workspace<B>,
+    job: &OwnedBatch,
+    comm: &dyn Communicator,
+) -> Result<()> {
+    let spans: Vec<SeqSpan> = job
+        .spans
+        .iter()
+        .map(|(first, n, start, table)| SeqSpan {
+            first_token: *first,
+            n_tokens: *n,
+            start_pos: *start,
+            block_table: table,
+            tree: None,
+        })
+        .collect();
+    let batch = ForwardBatch {
+        tokens: &job.tokens,
+        positions: &job.positions,
+        spans: &spans,
+        logit_rows: &job.logit_rows,
+        fill: None,
+    };
+    model
+        .forward_sharded(backend, kv, &batch, ws, comm)
+        .map(|_| ())
+}
+
 impl TpPeers {
-    /// Starts one thread per communicator (ranks 1..W) and waits until each has loaded its shard;
-    /// a rank that fails to load fails the whole start with its error.
+    /// Starts one thread per communicator (ranks 1..W), waits until each has joined the group
+    /// and loaded its shard; a rank that fails fails the whole start with its error. (A group
+    /// whose rank 0 joins a device communicator starts with [`TpGroup::spawn`], which joins
+    /// rank 0 while the peers wait for it.)
     pub fn spawn(cfg: PeerConfig, comms: Vec<ThreadComm>) -> Result<TpPeers> {
+        let peers = Self::start(cfg, comms)?;
+        peers.wait_for_each()?; // joined
+        peers.wait_for_each()?; // loaded
+        Ok(peers)
+    }
+
+    fn start(cfg: PeerConfig, comms: Vec<ThreadComm>) -> Result<TpPeers> {
         let cfg = Arc::new(cfg);
         let (report_tx, reports) = channel();
         let mut jobs = Vec::new();
         let mut handles = Vec::new();
-        let n = comms.len();
         for comm in comms {
             let (job_tx, job_rx) = channel();
             jobs.push(job_tx);
@@ -188,15 +248,34 @@ impl TpPeers {
                 .map_err(|e| Error::io(Path::new("kiln-tp thread"), e))?;
             handles.push(handle);
         }
-        let peers = TpPeers {
+        Ok(TpPeers {
             jobs,
             reports,
             handles,
-        };
-        for _ in 0..n {
-            peers.next_report()?;
+        })
+    }
+
+    /// One report from every peer; the first failure (a peer's own, over echoes of it) wins.
+    fn wait_for_each(&self) -> Result<()> {
+        let errors = (0..self.jobs.len()).filter_map(|_| self.next_report().err());
+        match cause(errors) {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(peers)
+    }
+
+    /// Sizes every peer's KV cache to `n_blocks` blocks (before the first step).
+    pub fn size_caches(&self, n_blocks: usize) -> Result<()> {
+        self.send(|| PeerJob::SizeCache(n_blocks))?;
+        self.wait_for_each()
+    }
+
+    fn send(&self, job: impl Fn() -> PeerJob) -> Result<()> {
+        for (i, tx) in self.jobs.iter().enumerate() {
+            tx.send(job())
+                .map_err(|_| Error::Parallel(super::CommError::PeerFailed { rank: i + 1 }))?;
+        }
+        Ok(())
     }
 
     fn next_report(&self) -> Result<()> {
@@ -210,20 +289,12 @@ impl TpPeers {
     /// Hands this step's batch to every peer (rank 0 then runs its own shard).
     pub fn submit(&self, batch: &ForwardBatch<'_>) -> Result<()> {
         let job = Arc::new(OwnedBatch::from(batch));
-        for (i, tx) in self.jobs.iter().enumerate() {
-            tx.send(job.clone())
-                .map_err(|_| Error::Parallel(super::CommError::PeerFailed { rank: i + 1 }))?;
-        }
-        Ok(())
+        self.send(|| PeerJob::Step(job.clone()))
     }
 
     /// Waits for every peer's step; a peer's own error wins over the echoes of it.
     pub fn collect(&self) -> Result<()> {
-        let errors = (0..self.jobs.len()).filter_map(|_| self.next_report().err());
-        match cause(errors) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        self.wait_for_each()
     }
 }
 
@@ -241,21 +312,55 @@ fn cause(errors: impl IntoIterator<Item = Error>) -> Option<Error> {
     echo
 }
 
-/// Rank 0's side of a group: its communicator and the peer threads.
+/// Rank 0's side of a group: its communicators and the peer threads.
 pub struct TpGroup {
     comm: ThreadComm,
+    /// Rank 0's device communicator, when its backend sums on the device (NCCL).
+    device_comm: Option<Box<dyn Communicator>>,
     peers: TpPeers,
 }
 
 impl TpGroup {
-    /// A group of `world` ranks over `cfg`'s model; returns once ranks 1.. have loaded their shards
-    /// (rank 0 loads its own, `Shard { rank: 0, world }`). A collective waiting longer than
-    /// `timeout` for a stalled rank fails the group.
-    pub fn spawn(cfg: PeerConfig, world: usize, timeout: Duration) -> Result<TpGroup> {
+    /// A group of `world` ranks over `cfg`'s model, rank 0 on `rank0`'s backend; returns once
+    /// every rank has joined the group and ranks 1.. have loaded their shards (rank 0 loads its
+    /// own, `Shard { rank: 0, world }`, then calls [`TpGroup::size_caches`]). A collective waiting
+    /// longer than `timeout` for a stalled rank fails the group.
+    pub fn spawn<B: Backend>(
+        cfg: PeerConfig,
+        world: usize,
+        timeout: Duration,
+        rank0: &B,
+    ) -> Result<TpGroup> {
         let mut comms = ThreadComm::group(world, timeout);
         let comm = comms.remove(0);
-        let peers = TpPeers::spawn(cfg, comms)?;
-        Ok(TpGroup { comm, peers })
+        let peers = TpPeers::start(cfg, comms)?;
+        // Joining is collective on a device communicator: rank 0 joins while the peers do.
+        let device_comm = match rank0.group_communicator(&comm) {
+            Ok(d) => d,
+            Err(e) => {
+                comm.abort();
+                let peers = peers.wait_for_each().err();
+                return Err(cause(std::iter::once(e).chain(peers))
+                    .unwrap_or(Error::Parallel(CommError::PeerFailed { rank: 0 })));
+            }
+        };
+        peers.wait_for_each()?; // joined
+        peers.wait_for_each()?; // loaded
+        Ok(TpGroup {
+            comm,
+            device_comm,
+            peers,
+        })
+    }
+
+    /// Sizes the peers' KV caches (rank 0 sizes its own the same).
+    pub fn size_caches(&self, n_blocks: usize) -> Result<()> {
+        self.peers.size_caches(n_blocks)
+    }
+
+    /// The communicator rank 0's shard sums over.
+    fn rank0_comm(&self) -> &dyn Communicator {
+        self.device_comm.as_deref().unwrap_or(&self.comm)
     }
 
     /// One step across the group: the batch to the peers, `rank0` (rank 0's own shard, through
@@ -267,7 +372,7 @@ impl TpGroup {
         rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
     ) -> Result<Vec<f32>> {
         self.peers.submit(batch)?;
-        let mine = rank0(&self.comm);
+        let mine = rank0(self.rank0_comm());
         if mine.is_err() {
             self.comm.abort();
         }

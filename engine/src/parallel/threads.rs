@@ -56,6 +56,32 @@ impl ThreadComm {
             .collect()
     }
 
+    /// A handle on the group's failure state that outlives this borrow (a device communicator
+    /// polls it while it waits on its GPU).
+    pub fn health(&self) -> GroupHealth {
+        GroupHealth {
+            rank: self.rank,
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Copies `root`'s `bytes` into every rank's `bytes` (equal lengths on every rank). How a
+    /// device communicator shares its rendezvous token (NCCL's unique id) across the group.
+    pub fn broadcast_bytes(&self, root: usize, bytes: &mut [u8]) -> Result<(), CommError> {
+        if root >= self.world {
+            return Err(CommError::PeerFailed { rank: root });
+        }
+        // Bytes travel as f32 values, which hold 0..=255 exactly.
+        let local: Vec<f32> = bytes.iter().map(|&b| f32::from(b)).collect();
+        let mut all = vec![0f32; local.len() * self.world];
+        self.all_gather(&local, &mut all)?;
+        let theirs = &all[root * local.len()..(root + 1) * local.len()];
+        for (b, &v) in bytes.iter_mut().zip(theirs) {
+            *b = v as u8;
+        }
+        Ok(())
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock is a failed rank: the state stays usable to say so.
         self.shared
@@ -182,6 +208,43 @@ impl Communicator for ThreadComm {
     }
 }
 
+/// One rank's view of its group's failure state, detached from the communicator's lifetime.
+#[derive(Clone)]
+pub struct GroupHealth {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl GroupHealth {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The rank that failed the group first, if any has.
+    pub fn failed(&self) -> Option<usize> {
+        self.state().failed
+    }
+
+    /// Fails the group in this rank's name (the others' next collective returns `PeerFailed`).
+    pub fn fail(&self) {
+        let mut s = self.state();
+        s.failed.get_or_insert(self.rank);
+        self.shared.changed.notify_all();
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How long a collective may wait for the others.
+    pub fn timeout(&self) -> Duration {
+        self.shared.timeout
+    }
+}
+
 impl Drop for ThreadComm {
     fn drop(&mut self) {
         // A rank that goes away mid-run (error return, panic) must not leave the others waiting.
@@ -287,6 +350,37 @@ mod tests {
         assert!(
             matches!(r0, Err(CommError::Timeout { ref missing, .. }) if missing == &[1]),
             "{r0:?}"
+        );
+    }
+
+    #[test]
+    fn bytes_broadcast_from_the_root_reach_every_rank() {
+        let out = run(4, Duration::from_secs(10), |c| {
+            // Only rank 2's bytes matter; every value of a byte must survive the trip.
+            let mut token: Vec<u8> = if c.rank() == 2 {
+                (0..=255u8).rev().collect()
+            } else {
+                vec![c.rank() as u8; 256]
+            };
+            c.broadcast_bytes(2, &mut token).map(|()| token)
+        });
+        let expected: Vec<u8> = (0..=255u8).rev().collect();
+        for r in out {
+            assert_eq!(r.unwrap().unwrap(), expected);
+        }
+    }
+
+    #[test]
+    fn health_sees_a_failure_and_fails_the_group() {
+        let comms = ThreadComm::group(2, Duration::from_secs(10));
+        let health = comms[1].health();
+        assert_eq!(health.failed(), None);
+        health.fail();
+        assert_eq!(comms[0].health().failed(), Some(1));
+        let mut v = vec![1.0f32];
+        assert_eq!(
+            comms[0].all_reduce_sum(&mut v),
+            Err(CommError::PeerFailed { rank: 1 })
         );
     }
 

@@ -37,7 +37,7 @@ const BLOCK_SIZE: usize = 16;
 /// `opts.world` ranks. Any rank's failure (a load error, a panic, a stall) fails the whole run with
 /// that rank's error; no rank is left waiting.
 pub fn greedy(path: &Path, opts: TpOptions, prompt: &[u32], max_new: usize) -> Result<GreedyRun> {
-    opts.device.check(opts.precision, opts.world)?;
+    opts.device.check(opts.precision)?;
     let job = Greedy {
         path,
         opts: &opts,
@@ -82,10 +82,9 @@ fn greedy_over<B: Backend>(
             model: path.to_path_buf(),
             precision: opts.precision,
             threads_per_rank: opts.threads_per_rank,
-            n_blocks,
             block_size: BLOCK_SIZE,
         };
-        Some(TpGroup::spawn(cfg, opts.world, opts.timeout)?)
+        Some(TpGroup::spawn(cfg, opts.world, opts.timeout, &backend)?)
     } else {
         None
     };
@@ -102,6 +101,9 @@ fn greedy_over<B: Backend>(
             prompt.len(),
             c.max_context
         )));
+    }
+    if let Some(g) = &group {
+        g.size_caches(n_blocks)?;
     }
     let mut kv = backend.kv_store(
         c.n_layers,

@@ -49,17 +49,28 @@ impl Device {
     /// runs `job` over it. A device this build or machine cannot drive is an error naming what is
     /// missing; nothing falls back to the CPU.
     pub fn with_backend<J: WithBackend>(self, threads: Option<usize>, job: J) -> Result<J::Output> {
+        self.with_backend_on(0, threads, job)
+    }
+
+    /// As [`Device::with_backend`], on the device's `ordinal`th GPU (tensor-parallel rank r
+    /// drives visible GPU r); the CPU has one device and ignores it.
+    pub fn with_backend_on<J: WithBackend>(
+        self,
+        ordinal: usize,
+        threads: Option<usize>,
+        job: J,
+    ) -> Result<J::Output> {
         match self {
             Device::Cpu => Ok(job.run(cpu(threads))),
-            Device::Cuda => cuda(job),
+            Device::Cuda => cuda(ordinal, job),
         }
     }
 
-    /// Whether this device runs a model in `precision` split over `world` ranks; the error says
+    /// Whether this device runs a model in `precision`; the error says
     /// what it does instead. On the GPU, `fast` means bf16 weights and activations with f32
-    /// accumulation; `exact` (f32 throughout, the CPU's reference mode) is refused, and so is
-    /// tensor parallelism until it runs over NCCL between GPUs.
-    pub fn check(self, precision: Precision, world: usize) -> Result<()> {
+    /// accumulation; `exact` (f32 throughout, the CPU's reference mode) is refused. Tensor
+    /// parallelism over `world` GPUs puts rank r on visible GPU r and sums over NCCL.
+    pub fn check(self, precision: Precision) -> Result<()> {
         match self {
             Device::Cpu => Ok(()),
             Device::Cuda if precision == Precision::Exact => Err(Error::Device(
@@ -67,10 +78,6 @@ impl Device {
                  runs on --device cpu"
                     .into(),
             )),
-            Device::Cuda if world > 1 => Err(Error::Device(format!(
-                "--device cuda serves on one GPU: tensor parallelism over {world} GPUs (NCCL) \
-                 is not built yet; use --tensor-parallel-size 1"
-            ))),
             Device::Cuda => Ok(()),
         }
     }
@@ -93,14 +100,14 @@ fn cpu(threads: Option<usize>) -> CpuBackend {
     }
 }
 
-/// GPU 0 (kiln serves on one GPU per process; `CUDA_VISIBLE_DEVICES` picks which).
+/// Visible GPU `ordinal` (`CUDA_VISIBLE_DEVICES` picks which GPUs an instance sees).
 #[cfg(feature = "cuda")]
-fn cuda<J: WithBackend>(job: J) -> Result<J::Output> {
-    Ok(job.run(crate::backend::cuda::CudaBackend::open(0)?))
+fn cuda<J: WithBackend>(ordinal: usize, job: J) -> Result<J::Output> {
+    Ok(job.run(crate::backend::cuda::CudaBackend::open(ordinal)?))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda<J: WithBackend>(_job: J) -> Result<J::Output> {
+fn cuda<J: WithBackend>(_ordinal: usize, _job: J) -> Result<J::Output> {
     Err(Error::Device(
         "--device cuda: this kiln was built without CUDA support (build with `--features cuda`); \
          use --device cpu"
@@ -140,18 +147,13 @@ mod tests {
     }
 
     #[test]
-    fn the_gpu_refuses_exact_mode_and_tensor_parallelism_by_name() {
-        assert!(Device::Cpu.check(Precision::Exact, 4).is_ok());
-        assert!(Device::Cuda.check(Precision::Fast, 1).is_ok());
+    fn the_gpu_refuses_exact_mode_by_name() {
+        assert!(Device::Cpu.check(Precision::Exact).is_ok());
+        assert!(Device::Cuda.check(Precision::Fast).is_ok());
         let exact = Device::Cuda
-            .check(Precision::Exact, 1)
+            .check(Precision::Exact)
             .err()
             .map(|e| e.to_string());
         assert!(exact.unwrap_or_default().contains("--mode exact"));
-        let tp = Device::Cuda
-            .check(Precision::Fast, 2)
-            .err()
-            .map(|e| e.to_string());
-        assert!(tp.unwrap_or_default().contains("--tensor-parallel-size 1"));
     }
 }

@@ -51,8 +51,7 @@ pub fn load(
     spec: &LoadSpec,
     status: &mut dyn FnMut(String),
 ) -> Result<(Box<dyn ModelRunner>, Arc<ModelInfo>)> {
-    spec.device
-        .check(spec.precision, spec.tensor_parallel.max(1))?;
+    spec.device.check(spec.precision)?;
     let per_rank = spec.threads_per_rank();
     spec.device.with_backend(
         Some(per_rank),
@@ -90,10 +89,14 @@ impl WithBackend for Job<'_> {
                 model: spec.model.clone(),
                 precision: spec.precision,
                 threads_per_rank: per_rank,
-                n_blocks: runner_cfg.n_blocks(),
                 block_size: spec.runner.block_size,
             };
-            Some(TpGroup::spawn(cfg, world, spec.collective_timeout)?)
+            Some(TpGroup::spawn(
+                cfg,
+                world,
+                spec.collective_timeout,
+                &backend,
+            )?)
         } else {
             None
         };
@@ -165,6 +168,10 @@ impl WithBackend for Job<'_> {
             device: spec.device,
             backend: model.backend.describe(),
         });
+        if let Some(tp) = &tp {
+            // Every rank's cache holds the same blocks; rank 0 knows how many fit.
+            tp.size_caches(runner_cfg.n_blocks())?;
+        }
         let runner = Runner::new(model, info.clone(), runner_cfg, tp, draft)?;
         Ok((Box::new(runner), info))
     }

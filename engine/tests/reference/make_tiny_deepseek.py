@@ -6,7 +6,7 @@ small ones with transformers' own `DeepseekV3ForCausalLM`, saves them the way th
 ship, and records transformers' logits, greedy tokens and MoE routing decisions for kiln's tests.
 
 Models (all: vocab 512, hidden 64, 3 layers of which the first is dense (first_k_dense_replace 1),
-4 heads, kv_lora_rank 32, qk_nope 16 + qk_rope 8, v_head_dim 16, 8 routed experts of
+4 heads (8 for the "-8h" pair), kv_lora_rank 32, qk_nope 16 + qk_rope 8, v_head_dim 16, 8 routed experts of
 moe_intermediate_size 32 in 4 groups, top-2 groups, 2 experts per token, 1 shared expert,
 routed_scaling_factor 2.5, norm_topk_prob, YaRN RoPE factor 4 over original 32 positions):
 
@@ -23,6 +23,9 @@ routed_scaling_factor 2.5, norm_topk_prob, YaRN RoPE factor 4 over original 32 p
                     "pack-quantized" symmetric INT4 with group size 32 (weight_packed int32,
                     weight_scale bfloat16, weight_shape), packed by compressed-tensors itself (as
                     Kimi-K2-Thinking ships its experts); the rest float32.
+  deepseek-v3-8h,   as deepseek-v3 and kimi-k2-int4 with 8 attention heads, so that tensor
+  kimi-k2-int4-8h   parallelism over 8 ranks holds one head and one routed expert per rank; written
+                    to tiny-deepseek-8h.json (`--set tiny-deepseek-8h.json` rebuilds only them).
 
 For the quantized models the reference is transformers running on the dequantized weights
 (value * scale per block or group), since the quantized forms are storage formats: kiln must
@@ -32,7 +35,7 @@ Weights: torch.manual_seed per model; matrices ~ N(0, 0.2^2), RMSNorm weights 1 
 router's e_score_correction_bias ~ N(0, 0.1^2). Eager attention, float32, torch.no_grad, 1 thread.
 
 What it writes: engine/tests/fixtures/tiny/<name>/{config.json, model.safetensors} and
-engine/tests/fixtures/tiny-deepseek.json with per model: name, dir, prompt_seed, prompt_ids (24),
+engine/tests/fixtures/tiny-deepseek.json (tiny-deepseek-8h.json for the 8-head pair) with per model: name, dir, prompt_seed, prompt_ids (24),
 greedy_ids (16, full forward each step, no cache), margins, last_logits and mid_logits (position
 10), and `routing`: for the first MoE layer, the router's input hidden states for every prompt
 token and transformers' chosen experts (sorted) with their weights. A prompt is accepted only when
@@ -69,7 +72,7 @@ FP8_BLOCK = 16
 INT4_GROUP = 32
 
 
-def config(q_lora_rank, mscale, mscale_all_dim):
+def config(q_lora_rank, mscale, mscale_all_dim, heads=4):
     return DeepseekV3Config(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -77,8 +80,8 @@ def config(q_lora_rank, mscale, mscale_all_dim):
         moe_intermediate_size=32,
         num_hidden_layers=3,
         first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         n_shared_experts=1,
         n_routed_experts=8,
         num_experts_per_tok=2,
@@ -111,12 +114,19 @@ def config(q_lora_rank, mscale, mscale_all_dim):
     )
 
 
-SPECS = [
-    # name, seed, config, quantization
-    ("deepseek-v3", 201, config(24, 1.0, 1.0), None),
-    ("deepseek-v3-fp8", 202, config(None, 0.707, 1.0), "fp8"),
-    ("kimi-k2-int4", 203, config(24, 1.0, 1.0), "int4"),
-]
+# Fixture file -> its models (name, seed, config, quantization). The 8-head pair exists for
+# tensor parallelism over 8 ranks (one query head and one routed expert per rank).
+SETS = {
+    "tiny-deepseek.json": [
+        ("deepseek-v3", 201, config(24, 1.0, 1.0), None),
+        ("deepseek-v3-fp8", 202, config(None, 0.707, 1.0), "fp8"),
+        ("kimi-k2-int4", 203, config(24, 1.0, 1.0), "int4"),
+    ],
+    "tiny-deepseek-8h.json": [
+        ("deepseek-v3-8h", 204, config(24, 1.0, 1.0, heads=8), None),
+        ("kimi-k2-int4-8h", 205, config(24, 1.0, 1.0, heads=8), "int4"),
+    ],
+}
 
 
 def randomise(model):
@@ -297,10 +307,16 @@ def quantization_config(kind):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent.parent / "fixtures"))
+    ap.add_argument("--set", choices=sorted(SETS), action="append", help="fixture file(s) to rebuild (default: all)")
     args = ap.parse_args()
     out = Path(args.out_dir)
+    for fixture in args.set or sorted(SETS):
+        build_set(out, fixture, SETS[fixture])
+
+
+def build_set(out, fixture, specs):
     records = []
-    for name, seed, cfg, quant in SPECS:
+    for name, seed, cfg, quant in specs:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
         randomise(model)
@@ -370,8 +386,8 @@ def main():
             }
         )
     doc = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "models": records}
-    (out / "tiny-deepseek.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print("wrote", out / "tiny-deepseek.json")
+    (out / fixture).write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", out / fixture)
 
 
 if __name__ == "__main__":

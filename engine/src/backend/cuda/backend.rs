@@ -28,7 +28,7 @@ use crate::backend::{
     Backend, GraphPhase, KvLayout, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS,
 };
 use crate::error::{Error, Result};
-use crate::parallel::Communicator;
+use crate::parallel::{Communicator, ThreadComm};
 use crate::sampling::{RowDraw, RowResult};
 use crate::weights::{DType, TensorView};
 
@@ -1413,12 +1413,34 @@ impl Backend for CudaBackend {
         self.graph_abort()
     }
 
+    fn group_communicator(&self, host: &ThreadComm) -> Result<Option<Box<dyn Communicator>>> {
+        if host.world() == 1 {
+            return Ok(None);
+        }
+        let report = super::probe().map_err(Error::Device)?;
+        if report.nccl_version.is_none() {
+            return Err(Error::Device(
+                "tensor parallelism over GPUs needs NCCL: libnccl.so.2 is not loadable (put \
+                 its folder on LD_LIBRARY_PATH)"
+                    .into(),
+            ));
+        }
+        let comm = super::NcclComm::join(self.stream().clone(), host)?;
+        Ok(Some(Box::new(comm)))
+    }
+
     fn all_reduce_sum(&self, x: &mut CudaBuffer, comm: &dyn Communicator) -> Result<()> {
         if comm.world() == 1 {
             return Ok(());
         }
-        // Tensor parallelism across GPUs goes over NCCL on device buffers (not built yet); a
-        // host communicator works through host copies, correct but slow.
+        let n = x.rows * x.cols;
+        if let Some(nccl) = comm
+            .device()
+            .and_then(|d| d.downcast_ref::<super::NcclComm>())
+        {
+            return Ok(nccl.all_reduce_bf16(&mut x.data, n)?);
+        }
+        // A host communicator (a group of CPU threads) works through host copies.
         let mut host = self.to_host(x)?;
         comm.all_reduce_sum(&mut host)?;
         let n = host.len();

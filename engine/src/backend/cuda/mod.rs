@@ -8,6 +8,7 @@ mod dequant;
 pub mod gpu;
 mod graphs;
 pub mod kernels;
+mod nccl_comm;
 mod nccl_sweep;
 pub mod op_parity;
 pub mod parity;
@@ -19,5 +20,6 @@ pub use backend::{
     CudaBackend, CudaBuffer, CudaKvStore, CudaMatrix, CudaStepMeta, HostStepMeta,
     attention_shared_bytes, attention_splits, check_attention_shape, host_step_meta,
 };
+pub use nccl_comm::NcclComm;
 pub use nccl_sweep::nccl_sweep;
 pub use probe::{CudaReport, probe};

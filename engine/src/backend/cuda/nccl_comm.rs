@@ -1,0 +1,319 @@
+//! Tensor parallelism's sums between GPUs: one NCCL communicator per rank, over the backend's own
+//! stream and buffers (the bf16 activations are summed where they live, never copied to the host).
+//!
+//! NCCL blocks by default — in `ncclCommInitRank` until every rank arrives, in a collective until
+//! every peer's part is there — so a dead or stalled rank would hang the server. The communicator
+//! is therefore created non-blocking (`blocking = 0`), and every wait goes through
+//! [`await_collective`]: it polls `ncclCommGetAsyncError` and the stream's progress, watches the
+//! group's failure state, and on a deadline or a peer's failure calls `ncclCommAbort`, which
+//! releases the GPU, so the rank can report and the process exit for the service manager.
+//!
+//! The rendezvous token (NCCL's unique id, made by rank 0) reaches the other ranks over the host
+//! group ([`ThreadComm::broadcast_bytes`]): the ranks are threads of one process.
+
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::nccl::{result, sys};
+use half::bf16;
+
+use crate::parallel::{
+    CommError, Communicator, GroupHealth, Progress, ThreadComm, await_collective,
+};
+
+/// NCCL 2.17's `ncclConfig_t`, the first with `blocking`. NCCL reads a config's `size` and
+/// `version` and accepts an older layout, so this one works with every NCCL from 2.17 on, whatever
+/// layout the bindings were generated from. Unset fields hold NCCL's "undefined" markers, as
+/// `NCCL_CONFIG_INITIALIZER` writes them.
+#[repr(C)]
+struct ConfigV217 {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+const CONFIG_MAGIC: u32 = 0xcafe_beef;
+/// `NCCL_VERSION(2, 17, 0)`.
+const CONFIG_VERSION: u32 = 21_700;
+const UNDEF_INT: c_int = c_int::MIN;
+
+impl ConfigV217 {
+    fn non_blocking() -> ConfigV217 {
+        ConfigV217 {
+            size: std::mem::size_of::<ConfigV217>(),
+            magic: CONFIG_MAGIC,
+            version: CONFIG_VERSION,
+            blocking: 0,
+            cga_cluster_size: UNDEF_INT,
+            min_ctas: UNDEF_INT,
+            max_ctas: UNDEF_INT,
+            net_name: std::ptr::null(),
+            split_share: UNDEF_INT,
+        }
+    }
+}
+
+/// One rank's NCCL communicator on its GPU's stream.
+pub struct NcclComm {
+    comm: sys::ncclComm_t,
+    rank: usize,
+    world: usize,
+    stream: Arc<CudaStream>,
+    health: GroupHealth,
+    /// Set once `ncclCommAbort` ran: the handle is gone.
+    aborted: AtomicBool,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time; kiln's rank
+// thread makes every call but `ncclCommAbort`, which NCCL allows from another thread to stop a
+// hung collective. The stream is cudarc's, which is Send + Sync.
+unsafe impl Send for NcclComm {}
+unsafe impl Sync for NcclComm {}
+
+/// An NCCL status in words (its name and NCCL's own message).
+fn describe(r: sys::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static string for every result.
+    let text = unsafe { std::ffi::CStr::from_ptr(sys::ncclGetErrorString(r)) };
+    format!("{r:?} ({})", text.to_string_lossy())
+}
+
+impl NcclComm {
+    /// Joins the group behind `host` on `stream`'s GPU. Every rank calls it at once; it returns
+    /// when all have joined, or fails on the group's deadline or a peer's failure.
+    pub fn join(stream: Arc<CudaStream>, host: &ThreadComm) -> Result<NcclComm, CommError> {
+        let (rank, world, health) = (host.rank(), host.world(), host.health());
+        let device = |what: String| CommError::Device { rank, what };
+        let mut token = [0u8; 128];
+        if rank == 0 {
+            match result::get_uniqueid() {
+                Ok(id) => {
+                    for (t, &c) in token.iter_mut().zip(id.internal.iter()) {
+                        *t = c as u8;
+                    }
+                }
+                Err(e) => {
+                    health.fail();
+                    return Err(device(format!("ncclGetUniqueId: {}", describe(e.0))));
+                }
+            }
+        }
+        host.broadcast_bytes(0, &mut token)?;
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        for (c, &t) in id.internal.iter_mut().zip(token.iter()) {
+            *c = t as c_char;
+        }
+        // NCCL binds the communicator to the thread's current device.
+        if let Err(e) = stream.context().bind_to_thread() {
+            health.fail();
+            return Err(device(format!("binding the CUDA context: {e:?}")));
+        }
+        let mut config = ConfigV217::non_blocking();
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` and `config` outlive the call; the config is a valid NCCL 2.17 layout.
+        let started = unsafe {
+            result::comm_init_rank_config(
+                &mut comm,
+                world as c_int,
+                id,
+                rank as c_int,
+                (&mut config as *mut ConfigV217).cast::<sys::ncclConfig_t>(),
+            )
+        };
+        if let Err(e) = started {
+            health.fail();
+            return Err(device(format!("ncclCommInitRankConfig: {}", describe(e.0))));
+        }
+        let nccl = NcclComm {
+            comm,
+            rank,
+            world,
+            stream,
+            health,
+            aborted: AtomicBool::new(false),
+        };
+        await_collective(&nccl.health, || nccl.async_state(), || nccl.abort_comm())?;
+        Ok(nccl)
+    }
+
+    /// Where the communicator's last call stands (`ncclInProgress` while a non-blocking call is
+    /// still being set up or enqueued).
+    fn async_state(&self) -> Progress {
+        if self.aborted.load(Ordering::Acquire) {
+            return Progress::Failed("the NCCL communicator was aborted".into());
+        }
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: the communicator is live (not aborted) and `state` outlives the call.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        match (r, state) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => Progress::Done,
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => {
+                Progress::Pending
+            }
+            (sys::ncclResult_t::ncclSuccess, failed) | (failed, _) => {
+                Progress::Failed(describe(failed))
+            }
+        }
+    }
+
+    /// Aborts the communicator once: its pending work ends and the GPU is released.
+    fn abort_comm(&self) {
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            // SAFETY: the handle is live and aborted only here, once.
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
+    }
+
+    /// Sums the first `n` values of `data` across the group in place, on the stream, and waits
+    /// for it with the group's deadline (the next kernels need the sum, and a hung collective
+    /// must turn into an error, not a stuck stream).
+    pub fn all_reduce_bf16(&self, data: &mut CudaSlice<bf16>, n: usize) -> Result<(), CommError> {
+        self.all_reduce_raw(data, n, sys::ncclDataType_t::ncclBfloat16)
+    }
+
+    fn all_reduce_raw<T>(
+        &self,
+        data: &mut CudaSlice<T>,
+        n: usize,
+        dtype: sys::ncclDataType_t,
+    ) -> Result<(), CommError> {
+        if let Some(rank) = self.health.failed() {
+            self.abort_comm();
+            return Err(CommError::PeerFailed { rank });
+        }
+        if n > data.len() {
+            return Err(CommError::LengthMismatch {
+                rank: self.rank,
+                expected: data.len(),
+                got: n,
+            });
+        }
+        let stream = self.stream.clone();
+        let device = |what: String| CommError::Device {
+            rank: self.rank,
+            what,
+        };
+        {
+            let (ptr, _record) = data.device_ptr_mut(&stream);
+            // SAFETY: `ptr` holds at least `n` values of `dtype` on this communicator's device,
+            // in place (send and receive buffers may alias); the stream is the buffer's.
+            let enqueued = unsafe {
+                result::all_reduce(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    n,
+                    dtype,
+                    sys::ncclRedOp_t::ncclSum,
+                    self.comm,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            };
+            if let Err(e) = enqueued {
+                self.abort_comm();
+                self.health.fail();
+                return Err(device(format!("ncclAllReduce: {}", describe(e.0))));
+            }
+        }
+        let done = stream
+            .record_event(None)
+            .map_err(|e| device(format!("recording an event: {e:?}")))?;
+        await_collective(
+            &self.health,
+            || match self.async_state() {
+                Progress::Done => match done.try_is_complete() {
+                    Ok(true) => Progress::Done,
+                    Ok(false) => Progress::Pending,
+                    Err(e) => Progress::Failed(format!("the stream failed: {e:?}")),
+                },
+                other => other,
+            },
+            || self.abort_comm(),
+        )
+    }
+
+    /// A host slice's sum, through a device copy (f32: the host communicator's contract).
+    fn all_reduce_host(&self, data: &mut [f32]) -> Result<(), CommError> {
+        let device = |what: String| CommError::Device {
+            rank: self.rank,
+            what,
+        };
+        let mut on_device = self
+            .stream
+            .clone_htod(data)
+            .map_err(|e| device(format!("copying to the device: {e:?}")))?;
+        let n = data.len();
+        self.all_reduce_raw(&mut on_device, n, sys::ncclDataType_t::ncclFloat32)?;
+        self.stream
+            .memcpy_dtoh(&on_device, data)
+            .map_err(|e| device(format!("copying to the host: {e:?}")))
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(&self, data: &mut [f32]) -> Result<(), CommError> {
+        self.all_reduce_host(data)
+    }
+
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), CommError> {
+        // Each rank's values in its own slot, zeros elsewhere: the sum is the concatenation.
+        if out.len() != local.len() * self.world {
+            return Err(CommError::LengthMismatch {
+                rank: self.rank,
+                expected: local.len() * self.world,
+                got: out.len(),
+            });
+        }
+        out.fill(0.0);
+        out[self.rank * local.len()..(self.rank + 1) * local.len()].copy_from_slice(local);
+        self.all_reduce_host(out)
+    }
+
+    fn abort(&self) {
+        self.abort_comm();
+        self.health.fail();
+    }
+
+    fn device(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // Abort rather than finalize: a finalize waits for peers that may be gone.
+        self.abort_comm();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layout NCCL 2.17's header defines: 8-byte size, then four 4-byte fields... and an
+    /// 8-aligned pointer at offset 32 (a wrong layout makes NCCL read garbage for `blocking`).
+    #[test]
+    fn the_config_has_nccl_2_17s_layout() {
+        assert_eq!(std::mem::offset_of!(ConfigV217, blocking), 16);
+        assert_eq!(std::mem::offset_of!(ConfigV217, max_ctas), 28);
+        assert_eq!(std::mem::offset_of!(ConfigV217, net_name), 32);
+        assert_eq!(std::mem::offset_of!(ConfigV217, split_share), 40);
+        assert_eq!(std::mem::size_of::<ConfigV217>(), 48);
+        let c = ConfigV217::non_blocking();
+        assert_eq!((c.blocking, c.size, c.version), (0, 48, 21_700));
+    }
+}
