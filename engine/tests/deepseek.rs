@@ -305,6 +305,7 @@ fn tp_greedy(
         precision: Precision::Exact,
         threads_per_rank: 1,
         timeout: Duration::from_secs(300),
+        group: Default::default(),
     };
     greedy(path, opts, prompt, n).unwrap_or_else(|e| panic!("{name}, TP={world}: {e}"))
 }

@@ -25,6 +25,7 @@ fn engine(overlap: bool, graphs: GraphUse) -> (EngineHandle, Arc<Metrics>) {
         threads: Some(2),
         tensor_parallel: 1,
         collective_timeout: Duration::from_secs(60),
+        group: Default::default(),
         draft_model: None,
         mem_fraction: None,
         runner: RunnerConfig {

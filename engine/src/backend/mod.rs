@@ -388,8 +388,9 @@ pub trait Backend: Send + Sync {
     fn group_communicator(
         &self,
         host: &crate::parallel::ThreadComm,
+        opts: &crate::parallel::GroupOptions,
     ) -> Result<Option<Box<dyn crate::parallel::Communicator>>> {
-        let _ = host;
+        let _ = (host, opts);
         Ok(None)
     }
     /// Sums `x` across the tensor-parallel group in place (CPU: threads; CUDA: NCCL).

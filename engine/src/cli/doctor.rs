@@ -38,6 +38,21 @@ pub fn measure_allreduce(ranks: usize) -> Result<Vec<AllReducePoint>, String> {
     }
 }
 
+/// The one-shot peer-to-peer kernel's sweep over `ranks` GPUs (sizes up to 1 MiB), in a CUDA
+/// build; otherwise an error saying so.
+pub fn measure_one_shot(ranks: usize) -> Result<Vec<AllReducePoint>, String> {
+    #[cfg(feature = "cuda")]
+    {
+        kiln::backend::cuda::one_shot_sweep(ranks, std::time::Duration::from_secs(120))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(format!(
+            "this build has no CUDA side, so it cannot run the one-shot kernel over the {ranks} GPUs (build with --features cuda)"
+        ))
+    }
+}
+
 /// The CPU kernels' SIMD level, as the fingerprint names it.
 pub fn simd_name() -> String {
     kiln::runner::device::cpu_simd_name().to_string()
@@ -57,6 +72,12 @@ pub fn run(a: DoctorArgs) -> anyhow::Result<()> {
         measured.replace(points.clone());
         Ok(points)
     };
+    let one_shot_measured = RefCell::new(Vec::new());
+    let one_shot_sweeper = |n: usize| {
+        let points = measure_one_shot(n)?;
+        one_shot_measured.replace(points.clone());
+        Ok(points)
+    };
     let checks = doctor::run(
         &probe,
         &DoctorOptions {
@@ -64,6 +85,7 @@ pub fn run(a: DoctorArgs) -> anyhow::Result<()> {
             simd: &simd,
             hash_models: !a.skip_model_hash,
             allreduce: (!a.no_allreduce).then_some(&sweeper as &doctor::AllReduceSweeper),
+            one_shot: (!a.no_allreduce).then_some(&one_shot_sweeper as &doctor::AllReduceSweeper),
         },
     );
     if a.json {
@@ -73,6 +95,10 @@ pub fn run(a: DoctorArgs) -> anyhow::Result<()> {
         let points = measured.borrow();
         if !points.is_empty() {
             print!("\nall-reduce sweep\n{}", allreduce::render(&points));
+            print!(
+                "\nNCCL against the one-shot kernel\n{}",
+                allreduce::render_choice(&points, &one_shot_measured.borrow())
+            );
         }
     }
     let failed = checks

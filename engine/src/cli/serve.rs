@@ -150,6 +150,11 @@ pub struct ServeArgs {
     /// must divide (or the KV heads be a divisor) [default: 1].
     #[arg(long, visible_aliases = ["tp", "tp-size"])]
     tensor_parallel_size: Option<usize>,
+    /// GPU tensor parallelism: all-reduces of at most this many bytes run on kiln's one-shot
+    /// peer-to-peer kernel, larger ones on NCCL; 0: NCCL only. `kiln lock` measures both and
+    /// records the crossover [default: 0].
+    #[arg(long)]
+    one_shot_allreduce_max_bytes: Option<u64>,
     /// Seconds to let in-flight requests finish after SIGTERM [default: 30].
     #[arg(long)]
     shutdown_timeout: Option<u64>,
@@ -230,6 +235,7 @@ body-timeout = 60
 max-connections = 1024
 max-n = 16
 tensor-parallel-size = 1
+one-shot-allreduce-max-bytes = 0
 shutdown-timeout = 30
 speculative-algorithm = "none"
 speculative-num-steps = 3
@@ -435,6 +441,12 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         max_connections: positive("max-connections", a.max_connections)?,
         max_n: positive("max-n", a.max_n)?,
         tensor_parallel: positive("tensor-parallel-size", a.tensor_parallel_size)?,
+        group: kiln::parallel::GroupOptions {
+            one_shot_max_bytes: given(
+                "one-shot-allreduce-max-bytes",
+                a.one_shot_allreduce_max_bytes,
+            )?,
+        },
         shutdown_timeout: Duration::from_secs(given("shutdown-timeout", a.shutdown_timeout)?),
         detok_overlap: !a.no_overlap,
         overlap_schedule: !a.disable_overlap_schedule,
@@ -530,6 +542,7 @@ fn locked(flags: ServeArgs, path: &Path) -> anyhow::Result<(ServeArgs, LockGuard
             simd: &super::doctor::simd_name(),
             hash_models: !flags.source.skip_model_hash,
             allreduce: None,
+            one_shot: None,
         },
     );
     let policy = flags.source.drift_policy.unwrap_or(lock.lock.drift_policy);

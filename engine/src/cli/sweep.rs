@@ -55,7 +55,12 @@ struct Named {
     name: String,
     /// Every serve setting, resolved.
     effective: toml::Table,
+    /// The sweep file sets `one-shot-allreduce-max-bytes` for this config (else the measured
+    /// crossover is filled in).
+    sets_one_shot: bool,
 }
+
+const ONE_SHOT_KEY: &str = "one-shot-allreduce-max-bytes";
 
 fn read(path: &Path) -> anyhow::Result<(BenchSettings, Vec<Prompt>, Vec<Named>)> {
     let shown = path.display();
@@ -87,10 +92,15 @@ fn read(path: &Path) -> anyhow::Result<(BenchSettings, Vec<Prompt>, Vec<Named>)>
         );
         let mut merged = file.serve.clone();
         merged.extend(c);
+        let sets_one_shot = merged.contains_key(ONE_SHOT_KEY);
         let args = from_table(&merged, &format!("{shown}: config `{name}`"))?;
         let effective =
             effective_table(args).with_context(|| format!("{shown}: config `{name}`"))?;
-        named.push(Named { name, effective });
+        named.push(Named {
+            name,
+            effective,
+            sets_one_shot,
+        });
     }
     Ok((bench, prompts, named))
 }
@@ -173,7 +183,36 @@ pub fn run(a: SweepArgs) -> anyhow::Result<()> {
             }
             Err(e) => eprintln!("kiln: no all-reduce sweep for the lock: {e}"),
         }
+        match super::doctor::measure_one_shot(fingerprint.gpus.len()) {
+            Ok(points) => fingerprint.one_shot = points,
+            Err(e) => eprintln!("kiln: no one-shot all-reduce sweep for the lock: {e}"),
+        }
+        if !fingerprint.allreduce.is_empty() {
+            eprint!(
+                "NCCL against the one-shot kernel\n{}",
+                kiln::doctor::allreduce::render_choice(
+                    &fingerprint.allreduce,
+                    &fingerprint.one_shot
+                )
+            );
+        }
     }
+    // Every config runs (and its evidence, and so the lock, records) the all-reduce this machine
+    // measured faster per size, unless the sweep file chose one itself.
+    let chosen_one_shot =
+        kiln::doctor::allreduce::one_shot_max_bytes(&fingerprint.allreduce, &fingerprint.one_shot);
+    let configs: Vec<Named> = configs
+        .into_iter()
+        .map(|mut c| {
+            if !c.sets_one_shot {
+                c.effective.insert(
+                    ONE_SHOT_KEY.into(),
+                    toml::Value::Integer(chosen_one_shot.min(i64::MAX as u64) as i64),
+                );
+            }
+            c
+        })
+        .collect();
     let mut done = Vec::new();
     for c in &configs {
         let port = free_port()?;

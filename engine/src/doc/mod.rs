@@ -94,6 +94,9 @@ fn why(key: &str) -> &'static str {
         "tensor-parallel-size" => {
             "ranks the model's heads and MLP are split across (one all-reduce per sub-layer)"
         }
+        "one-shot-allreduce-max-bytes" => {
+            "GPU: all-reduces up to this size run on the one-shot peer-to-peer kernel, larger on NCCL"
+        }
         "shutdown-timeout" => "seconds in-flight requests may finish after SIGTERM",
         "no-overlap" => "detokenize on the engine thread (off: overlapped with the next step)",
         "no-prefix-cache" => "prefill every prompt in full (no reuse of cached prefixes)",

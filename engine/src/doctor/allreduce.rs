@@ -74,6 +74,59 @@ pub fn render(points: &[AllReducePoint]) -> String {
     s
 }
 
+/// The largest sweep size the one-shot kernel is measured at: its inbox holds two slot sets of
+/// every rank's message, and past ~1 MiB one block pushing to every peer loses to NCCL's ring.
+pub const ONE_SHOT_SWEEP_MAX: u64 = 1 << 20;
+
+/// Which all-reduce serves which message size, from the two sweeps of one machine: the one-shot
+/// kernel up to the largest size at which it, and it at every smaller size, beat NCCL by at least
+/// 10% (a tie goes to NCCL, the path with more mileage); NCCL above. 0: the one-shot kernel
+/// serves nothing (it never won, or was not measured).
+pub fn one_shot_max_bytes(nccl: &[AllReducePoint], one_shot: &[AllReducePoint]) -> u64 {
+    const MARGIN: f64 = 0.9;
+    let mut sizes: Vec<&AllReducePoint> = one_shot.iter().collect();
+    sizes.sort_by_key(|p| p.bytes);
+    let mut max = 0;
+    for p in sizes {
+        let Some(n) = nccl.iter().find(|n| n.bytes == p.bytes) else {
+            break;
+        };
+        if (p.latency_ns as f64) < MARGIN * n.latency_ns as f64 {
+            max = p.bytes;
+        } else {
+            break;
+        }
+    }
+    max
+}
+
+/// The two sweeps side by side and the choice, for doctor's and the lock's output.
+pub fn render_choice(nccl: &[AllReducePoint], one_shot: &[AllReducePoint]) -> String {
+    let mut s = format!("{:>8}  {:>10}  {:>14}\n", "size", "NCCL us", "one-shot us");
+    for n in nccl {
+        let o = one_shot
+            .iter()
+            .find(|o| o.bytes == n.bytes)
+            .map_or("-".to_string(), |o| {
+                format!("{:.1}", o.latency_ns as f64 / 1e3)
+            });
+        s.push_str(&format!(
+            "{:>8}  {:>10.1}  {:>14}\n",
+            size_label(n.bytes),
+            n.latency_ns as f64 / 1e3,
+            o
+        ));
+    }
+    match one_shot_max_bytes(nccl, one_shot) {
+        0 => s.push_str("serves: NCCL at every size\n"),
+        max => s.push_str(&format!(
+            "serves: the one-shot kernel up to {}, NCCL above (one-shot-allreduce-max-bytes = {max})\n",
+            size_label(max)
+        )),
+    }
+    s
+}
+
 /// How much slower than the lock a size may get before doctor says so: noise between runs of the
 /// same machine is a few percent; a lost P2P path or a narrower link costs 2x or more.
 const WARN_SLOWER: f64 = 1.25;
@@ -178,6 +231,44 @@ mod tests {
                 AllReducePoint::measured(b, Duration::from_secs_f64(t * scale), 8)
             })
             .collect()
+    }
+
+    fn points(latency_us: &[(u64, f64)]) -> Vec<AllReducePoint> {
+        latency_us
+            .iter()
+            .map(|&(b, us)| AllReducePoint::measured(b, Duration::from_secs_f64(us * 1e-6), 8))
+            .collect()
+    }
+
+    #[test]
+    fn the_one_shot_kernel_serves_the_sizes_where_it_clearly_wins() {
+        let nccl = points(&[
+            (4 << 10, 30.0),
+            (16 << 10, 32.0),
+            (64 << 10, 40.0),
+            (256 << 10, 70.0),
+        ]);
+        // PCIe box: the one-shot wins below 64 KiB, loses above (it pushes 7 copies).
+        let one_shot = points(&[
+            (4 << 10, 7.0),
+            (16 << 10, 12.0),
+            (64 << 10, 41.0),
+            (256 << 10, 150.0),
+        ]);
+        assert_eq!(one_shot_max_bytes(&nccl, &one_shot), 16 << 10);
+        let table = render_choice(&nccl, &one_shot);
+        assert!(table.contains("up to 16 KiB"), "{table}");
+        // Within 10% is a tie, and a tie goes to NCCL.
+        let close = points(&[(4 << 10, 28.0)]);
+        assert_eq!(one_shot_max_bytes(&nccl, &close), 0);
+        // A win above a loss does not count: the choice is one threshold.
+        let odd = points(&[(4 << 10, 40.0), (16 << 10, 10.0)]);
+        assert_eq!(one_shot_max_bytes(&nccl, &odd), 0);
+        // Not measured: NCCL everywhere.
+        assert_eq!(one_shot_max_bytes(&nccl, &[]), 0);
+        assert!(render_choice(&nccl, &[]).contains("NCCL at every size"));
+        // A one-shot size NCCL was not measured at ends the comparison.
+        assert_eq!(one_shot_max_bytes(&[], &one_shot), 0);
     }
 
     #[test]

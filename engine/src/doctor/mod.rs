@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::lock::fingerprint::{self, Fingerprint, Probe};
 use crate::lock::{Lock, hash_model, model_bytes};
+use allreduce::AllReducePoint;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -59,6 +60,9 @@ pub struct DoctorOptions<'a> {
     /// a stand-in). None: not measured (`--no-allreduce`, and `kiln serve`'s boot check, which
     /// should not spend seconds of NCCL traffic before every start).
     pub allreduce: Option<&'a AllReduceSweeper<'a>>,
+    /// Measures the one-shot peer-to-peer kernel's sweep the same way (the CLI passes the CUDA
+    /// backend's). None: not measured; the one-shot check is skipped.
+    pub one_shot: Option<&'a AllReduceSweeper<'a>>,
 }
 
 /// Runs an all-reduce sweep over `n` GPUs.
@@ -76,7 +80,9 @@ pub fn run(probe: &dyn Probe, opts: &DoctorOptions) -> Vec<Check> {
     out.push(memlock(&now));
     out.push(simd(&now));
     out.push(p2p(probe, &now));
-    out.push(allreduce_check(&now, opts));
+    let (nccl_check, nccl_points) = allreduce_check(&now, opts);
+    out.push(nccl_check);
+    out.push(one_shot_check(&now, opts, nccl_points.as_deref()));
     out.extend(nccl_env(probe, opts.lock));
     if let Some(lock) = opts.lock {
         out.extend(models(lock, opts.hash_models));
@@ -301,33 +307,120 @@ fn p2p(probe: &dyn Probe, now: &Fingerprint) -> Check {
     }
 }
 
-/// Measures the interconnect with the sweeper and compares it with the lock's sweep.
-fn allreduce_check(now: &Fingerprint, opts: &DoctorOptions) -> Check {
+/// The lock's `one-shot-allreduce-max-bytes` (0: NCCL only, also when it does not set it).
+fn locked_one_shot_max(lock: Option<&Lock>) -> u64 {
+    lock.and_then(|l| l.serve.get("one-shot-allreduce-max-bytes"))
+        .and_then(|v| v.as_integer())
+        .map_or(0, |v| v.max(0) as u64)
+}
+
+/// Measures the one-shot kernel, picks the sizes it should serve against NCCL's sweep, and
+/// compares that with what the lock serves.
+fn one_shot_check(
+    now: &Fingerprint,
+    opts: &DoctorOptions,
+    nccl: Option<&[AllReducePoint]>,
+) -> Check {
+    const NAME: &str = "one-shot-allreduce";
     let n = now.gpus.len();
     if n < 2 {
-        return check("allreduce", Status::Skip, "fewer than 2 GPUs", None);
+        return check(NAME, Status::Skip, "fewer than 2 GPUs", None);
+    }
+    let (Some(sweep), Some(nccl)) = (opts.one_shot, nccl) else {
+        return check(
+            NAME,
+            Status::Skip,
+            "not measured (needs the NCCL sweep too)",
+            None,
+        );
+    };
+    let locked = locked_one_shot_max(opts.lock);
+    let points = match sweep(n) {
+        Ok(p) => p,
+        Err(e) => {
+            // A lock that serves on the kernel cannot start without it.
+            let status = if locked > 0 {
+                Status::Fail
+            } else {
+                Status::Warn
+            };
+            return check(
+                NAME,
+                status,
+                format!("the one-shot kernel's sweep over {n} GPUs failed: {e}"),
+                Some(
+                    "serve with --one-shot-allreduce-max-bytes 0 (NCCL only) until peer-to-peer works",
+                ),
+            );
+        }
+    };
+    let chosen = allreduce::one_shot_max_bytes(nccl, &points);
+    let serves = |max: u64| match max {
+        0 => "NCCL at every size".to_string(),
+        m => format!("the one-shot kernel up to {}", allreduce::size_label(m)),
+    };
+    match opts.lock {
+        Some(_) if chosen != locked => check(
+            NAME,
+            Status::Warn,
+            format!(
+                "the lock serves {}; measured now, {} would be faster",
+                serves(locked),
+                serves(chosen)
+            ),
+            Some(
+                "re-lock (`kiln lock`) to serve the faster choice, or set one-shot-allreduce-max-bytes in the lock's [serve]",
+            ),
+        ),
+        _ => check(
+            NAME,
+            Status::Pass,
+            format!("serves {}", serves(chosen)),
+            None,
+        ),
+    }
+}
+
+/// Measures the interconnect with the sweeper and compares it with the lock's sweep; also hands
+/// back the points, which the one-shot check compares against.
+fn allreduce_check(
+    now: &Fingerprint,
+    opts: &DoctorOptions,
+) -> (Check, Option<Vec<AllReducePoint>>) {
+    let n = now.gpus.len();
+    if n < 2 {
+        return (
+            check("allreduce", Status::Skip, "fewer than 2 GPUs", None),
+            None,
+        );
     }
     let Some(sweep) = opts.allreduce else {
-        return check("allreduce", Status::Skip, "not measured", None);
+        return (check("allreduce", Status::Skip, "not measured", None), None);
     };
     let locked = opts
         .lock
         .map(|l| l.fingerprint.allreduce.as_slice())
         .unwrap_or_default();
     match sweep(n) {
-        Ok(points) => allreduce::compare(&points, locked),
-        Err(e) => check(
-            "allreduce",
-            // A lock that depends on collectives cannot serve without them.
-            if locked.is_empty() {
-                Status::Warn
-            } else {
-                Status::Fail
-            },
-            format!("the all-reduce sweep over {n} GPUs failed: {e}"),
-            Some(
-                "run with NCCL_DEBUG=INFO to see which transport or rank fails; `kiln doctor` without a lock reports the rest",
+        Ok(points) => {
+            let c = allreduce::compare(&points, locked);
+            (c, Some(points))
+        }
+        Err(e) => (
+            check(
+                "allreduce",
+                // A lock that depends on collectives cannot serve without them.
+                if locked.is_empty() {
+                    Status::Warn
+                } else {
+                    Status::Fail
+                },
+                format!("the all-reduce sweep over {n} GPUs failed: {e}"),
+                Some(
+                    "run with NCCL_DEBUG=INFO to see which transport or rank fails; `kiln doctor` without a lock reports the rest",
+                ),
             ),
+            None,
         ),
     }
 }
@@ -504,6 +597,7 @@ mod tests {
                 simd: "avx2",
                 hash_models: false,
                 allreduce: None,
+                one_shot: None,
             },
         );
         assert!(!failed(&c), "{}", render(&c));
@@ -533,6 +627,7 @@ mod tests {
                     simd: "avx512vnni",
                     hash_models: false,
                     allreduce: sweeper,
+                    one_shot: None,
                 },
             )
             .into_iter()
@@ -554,6 +649,64 @@ mod tests {
     }
 
     #[test]
+    fn the_one_shot_check_reports_the_measured_choice_against_the_lock() {
+        let p = gpu_box();
+        let sweep = |latency: fn(u64) -> f64| {
+            move |n: usize| -> Result<Vec<AllReducePoint>, String> {
+                Ok(allreduce::SWEEP_BYTES
+                    .iter()
+                    .map(|&b| {
+                        let t = std::time::Duration::from_secs_f64(latency(b) * 1e-6);
+                        AllReducePoint::measured(b, t, n)
+                    })
+                    .collect())
+            }
+        };
+        let nccl = sweep(|b| 30.0 + b as f64 / 20e3);
+        // The kernel wins up to 16 KiB, then pushing 7 copies loses to NCCL's ring.
+        let one_shot = sweep(|b| if b <= 16 << 10 { 7.0 } else { 1e3 });
+        let broken = |_: usize| Err("GPU 1 cannot write GPU 0's memory peer-to-peer".to_string());
+        let check_with = |lock: Option<&Lock>, one_shot: &AllReduceSweeper| {
+            run(
+                &p,
+                &DoctorOptions {
+                    lock,
+                    simd: "avx512vnni",
+                    hash_models: false,
+                    allreduce: Some(&nccl),
+                    one_shot: Some(one_shot),
+                },
+            )
+            .into_iter()
+            .find(|c| c.name == "one-shot-allreduce")
+            .expect("a one-shot check")
+        };
+        let c = check_with(None, &one_shot);
+        assert_eq!(c.status, Status::Pass, "{}", c.detail);
+        assert!(c.detail.contains("up to 16 KiB"), "{}", c.detail);
+        // A lock made when NCCL served everything: the faster choice is pointed out.
+        let mut lock = crate::lock::sweep::tests::sample_sweep()
+            .lock("spec", None, "sweep.json", |_| Ok(("ab".repeat(32), 1)))
+            .expect("lock");
+        lock.serve.insert(
+            "one-shot-allreduce-max-bytes".into(),
+            toml::Value::Integer(0),
+        );
+        let c = check_with(Some(&lock), &one_shot);
+        assert_eq!(c.status, Status::Warn, "{}", c.detail);
+        assert!(c.detail.contains("NCCL at every size"), "{}", c.detail);
+        // The lock serves on the kernel and peer-to-peer broke: it cannot serve as locked.
+        lock.serve.insert(
+            "one-shot-allreduce-max-bytes".into(),
+            toml::Value::Integer(16 << 10),
+        );
+        assert_eq!(check_with(Some(&lock), &one_shot).status, Status::Pass);
+        let c = check_with(Some(&lock), &broken);
+        assert_eq!(c.status, Status::Fail, "{}", c.detail);
+        assert!(c.detail.contains("peer-to-peer"), "{}", c.detail);
+    }
+
+    #[test]
     fn a_gpu_box_without_persistenced_or_memlock_gets_fixes() {
         let mut p = gpu_box();
         p.files.insert(
@@ -567,6 +720,7 @@ mod tests {
                 simd: "avx512vnni",
                 hash_models: false,
                 allreduce: None,
+                one_shot: None,
             },
         );
         let s = statuses(&c);
@@ -588,6 +742,7 @@ mod tests {
                 simd: "avx512vnni",
                 hash_models: false,
                 allreduce: None,
+                one_shot: None,
             },
         );
         let s = statuses(&c);

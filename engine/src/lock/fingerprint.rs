@@ -83,6 +83,10 @@ pub struct Fingerprint {
     /// build). Measured, so never compared exactly: doctor's `allreduce` check allows noise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allreduce: Vec<crate::doctor::allreduce::AllReducePoint>,
+    /// The one-shot peer-to-peer kernel's sweep (sizes up to 1 MiB) beside NCCL's: the evidence
+    /// for the lock's `one-shot-allreduce-max-bytes`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub one_shot: Vec<crate::doctor::allreduce::AllReducePoint>,
 }
 
 /// The fields of a fingerprint that drift compares, in a fixed order, as (name, value) text.
@@ -228,6 +232,7 @@ impl Fingerprint {
             nccl: nccl_version(probe),
             memlock: memlock(probe),
             allreduce: Vec::new(),
+            one_shot: Vec::new(),
         }
     }
 }

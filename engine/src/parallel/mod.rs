@@ -41,6 +41,14 @@ pub enum CommError {
     },
 }
 
+/// How a group's device collectives are set up (from `kiln serve`'s flags, or the lock).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupOptions {
+    /// All-reduces of at most this many bytes run on the one-shot peer-to-peer kernel, larger
+    /// ones on NCCL; 0: NCCL only. `kiln lock` measures both and records the crossover.
+    pub one_shot_max_bytes: u64,
+}
+
 /// Collectives over one group of `world()` ranks. Every rank calls the same collectives in the
 /// same order with the same lengths (the sharded forward pass is identical code on every rank).
 pub trait Communicator: Send {

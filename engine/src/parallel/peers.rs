@@ -15,7 +15,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{CommError, Communicator, Shard, ThreadComm};
+use super::{CommError, Communicator, GroupOptions, Shard, ThreadComm};
 use crate::backend::{Backend, Precision, SeqSpan};
 use crate::error::{Error, Result};
 use crate::model::{ForwardBatch, Llama, Workspace};
@@ -77,6 +77,8 @@ pub struct PeerConfig {
     pub precision: Precision,
     pub threads_per_rank: usize,
     pub block_size: usize,
+    /// How the device collectives are set up (every rank the same).
+    pub group: GroupOptions,
 }
 
 fn peer_main(
@@ -132,7 +134,7 @@ impl WithBackend for Peer<'_> {
             comm.abort();
             let _ = reports.send((rank, Err(e)));
         };
-        let device_comm = match backend.group_communicator(comm) {
+        let device_comm = match backend.group_communicator(comm, &cfg.group) {
             Ok(d) => d,
             Err(e) => return fail(e),
         };
@@ -333,9 +335,10 @@ impl TpGroup {
     ) -> Result<TpGroup> {
         let mut comms = ThreadComm::group(world, timeout);
         let comm = comms.remove(0);
+        let group = cfg.group;
         let peers = TpPeers::start(cfg, comms)?;
         // Joining is collective on a device communicator: rank 0 joins while the peers do.
-        let device_comm = match rank0.group_communicator(&comm) {
+        let device_comm = match rank0.group_communicator(&comm, &group) {
             Ok(d) => d,
             Err(e) => {
                 comm.abort();

@@ -29,6 +29,8 @@ pub struct TpOptions {
     pub threads_per_rank: usize,
     /// How long a collective waits for a stalled rank before the group fails.
     pub timeout: Duration,
+    /// How the device collectives are set up (GPU ranks).
+    pub group: super::GroupOptions,
 }
 
 const BLOCK_SIZE: usize = 16;
@@ -83,6 +85,7 @@ fn greedy_over<B: Backend>(
             precision: opts.precision,
             threads_per_rank: opts.threads_per_rank,
             block_size: BLOCK_SIZE,
+            group: opts.group,
         };
         Some(TpGroup::spawn(cfg, opts.world, opts.timeout, &backend)?)
     } else {

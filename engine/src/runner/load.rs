@@ -27,6 +27,8 @@ pub struct LoadSpec {
     pub tensor_parallel: usize,
     /// How long a collective waits for a stalled rank before the group fails.
     pub collective_timeout: Duration,
+    /// How the GPU ranks' collectives are set up.
+    pub group: crate::parallel::GroupOptions,
     /// The EAGLE-3 draft head's directory.
     pub draft_model: Option<PathBuf>,
     /// `--mem-fraction-static`: when set, `runner.kv_tokens` is replaced by what this fraction of
@@ -90,6 +92,7 @@ impl WithBackend for Job<'_> {
                 precision: spec.precision,
                 threads_per_rank: per_rank,
                 block_size: spec.runner.block_size,
+                group: spec.group,
             };
             Some(TpGroup::spawn(
                 cfg,

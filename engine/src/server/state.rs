@@ -52,6 +52,8 @@ pub struct ServeOptions {
     pub max_n: usize,
     /// Ranks of tensor parallelism (1: the whole model on the engine thread).
     pub tensor_parallel: usize,
+    /// How the GPU ranks' collectives are set up (one-shot kernel or NCCL by size).
+    pub group: crate::parallel::GroupOptions,
     pub shutdown_timeout: Duration,
     pub instance: String,
     /// Detokenization off the engine thread, alongside the next step (`--no-overlap`: on it).

@@ -28,7 +28,7 @@ use crate::backend::{
     Backend, GraphPhase, KvLayout, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS,
 };
 use crate::error::{Error, Result};
-use crate::parallel::{Communicator, ThreadComm};
+use crate::parallel::{Communicator, GroupOptions, ThreadComm};
 use crate::sampling::{RowDraw, RowResult};
 use crate::weights::{DType, TensorView};
 
@@ -1413,7 +1413,11 @@ impl Backend for CudaBackend {
         self.graph_abort()
     }
 
-    fn group_communicator(&self, host: &ThreadComm) -> Result<Option<Box<dyn Communicator>>> {
+    fn group_communicator(
+        &self,
+        host: &ThreadComm,
+        opts: &GroupOptions,
+    ) -> Result<Option<Box<dyn Communicator>>> {
         if host.world() == 1 {
             return Ok(None);
         }
@@ -1425,7 +1429,7 @@ impl Backend for CudaBackend {
                     .into(),
             ));
         }
-        let comm = super::NcclComm::join(self.stream().clone(), host)?;
+        let comm = super::NcclComm::join(&self.gpu, host, opts)?;
         Ok(Some(Box::new(comm)))
     }
 

@@ -10,6 +10,7 @@ mod graphs;
 pub mod kernels;
 mod nccl_comm;
 mod nccl_sweep;
+mod oneshot;
 pub mod op_parity;
 pub mod parity;
 mod probe;
@@ -22,4 +23,5 @@ pub use backend::{
 };
 pub use nccl_comm::NcclComm;
 pub use nccl_sweep::nccl_sweep;
+pub use oneshot::{OneShotGpu, one_shot_sweep};
 pub use probe::{CudaReport, probe};

@@ -9,7 +9,9 @@
 //! releases the GPU, so the rank can report and the process exit for the service manager.
 //!
 //! The rendezvous token (NCCL's unique id, made by rank 0) reaches the other ranks over the host
-//! group ([`ThreadComm::broadcast_bytes`]): the ranks are threads of one process.
+//! group ([`ThreadComm::broadcast_bytes`]): the ranks are threads of one process. Messages up to
+//! `--one-shot-allreduce-max-bytes` go to the one-shot peer-to-peer kernel instead
+//! ([`OneShotGpu`]), the size `kiln lock` measured it to win at.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
@@ -19,8 +21,10 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys};
 use half::bf16;
 
+use super::gpu::Gpu;
+use super::oneshot::OneShotGpu;
 use crate::parallel::{
-    CommError, Communicator, GroupHealth, Progress, ThreadComm, await_collective,
+    CommError, Communicator, GroupHealth, GroupOptions, Progress, ThreadComm, await_collective,
 };
 
 /// NCCL 2.17's `ncclConfig_t`, the first with `blocking`. NCCL reads a config's `size` and
@@ -70,6 +74,8 @@ pub struct NcclComm {
     health: GroupHealth,
     /// Set once `ncclCommAbort` ran: the handle is gone.
     aborted: AtomicBool,
+    /// The one-shot peer-to-peer kernel for messages up to its size, when the group uses it.
+    one_shot: Option<OneShotGpu>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time; kiln's rank
@@ -88,7 +94,8 @@ fn describe(r: sys::ncclResult_t) -> String {
 impl NcclComm {
     /// Joins the group behind `host` on `stream`'s GPU. Every rank calls it at once; it returns
     /// when all have joined, or fails on the group's deadline or a peer's failure.
-    pub fn join(stream: Arc<CudaStream>, host: &ThreadComm) -> Result<NcclComm, CommError> {
+    pub fn join(gpu: &Gpu, host: &ThreadComm, opts: &GroupOptions) -> Result<NcclComm, CommError> {
+        let stream = gpu.stream.clone();
         let (rank, world, health) = (host.rank(), host.world(), host.health());
         let device = |what: String| CommError::Device { rank, what };
         let mut token = [0u8; 128];
@@ -131,15 +138,19 @@ impl NcclComm {
             health.fail();
             return Err(device(format!("ncclCommInitRankConfig: {}", describe(e.0))));
         }
-        let nccl = NcclComm {
+        let mut nccl = NcclComm {
             comm,
             rank,
             world,
             stream,
             health,
             aborted: AtomicBool::new(false),
+            one_shot: None,
         };
         await_collective(&nccl.health, || nccl.async_state(), || nccl.abort_comm())?;
+        if opts.one_shot_max_bytes > 0 {
+            nccl.one_shot = Some(OneShotGpu::join(gpu, host, opts.one_shot_max_bytes)?);
+        }
         Ok(nccl)
     }
 
@@ -175,7 +186,10 @@ impl NcclComm {
     /// for it with the group's deadline (the next kernels need the sum, and a hung collective
     /// must turn into an error, not a stuck stream).
     pub fn all_reduce_bf16(&self, data: &mut CudaSlice<bf16>, n: usize) -> Result<(), CommError> {
-        self.all_reduce_raw(data, n, sys::ncclDataType_t::ncclBfloat16)
+        match &self.one_shot {
+            Some(o) if n as u64 * 2 <= o.max_bytes() => o.all_reduce_bf16(data, n),
+            _ => self.all_reduce_raw(data, n, sys::ncclDataType_t::ncclBfloat16),
+        }
     }
 
     fn all_reduce_raw<T>(
