@@ -12,7 +12,9 @@
 #
 # 1. nvidia-smi and the CUDA libraries found (NVRTC, cuBLASLt, NCCL);
 # 2. kiln doctor, then kiln gpu-check: every kernel against a CPU reference, every op of the CUDA
-#    backend against the CPU backend through the op trait, the NCCL all-reduce sweep;
+#    backend against the CPU backend through the op trait, the NCCL all-reduce sweep, the one-shot
+#    all-reduce kernel's protocol over 4 ranks (several per GPU here: real launches and flags, every
+#    sum checked bit for bit; its speed against NCCL needs 2+ GPUs and is not measured here);
 # 3. gpu_check.py: tiny Llama 3 / Qwen2 / Qwen3 / Mistral served with --device cuda against
 #    transformers on the GPU (greedy tokens, logprobs), then decode and prefill speed of a
 #    Llama-3-8B-shaped model against its roofline and transformers, and kiln serve under kiln bench
@@ -61,7 +63,7 @@ BIN=$(realpath "$BIN")
 step "kiln doctor"
 "$BIN" doctor 2>&1 | tee "$OUT/doctor.txt"
 
-step "kiln gpu-check: kernels and backend ops against the CPU, NCCL sweep"
+step "kiln gpu-check: kernels and backend ops against the CPU, NCCL sweep, one-shot protocol"
 "$BIN" gpu-check --json "$OUT/gpu-check.json" 2>&1 | tee "$OUT/gpu-check.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -1,6 +1,7 @@
 //! `kiln gpu-check` (built with `--features cuda`): every CUDA kernel against its CPU reference on
 //! device 0, then every op of the CUDA backend against the CPU backend through the op trait, fresh
-//! random inputs each run, then the NCCL all-reduce sweep over every visible GPU;
+//! random inputs each run, then the NCCL all-reduce sweep over every visible GPU and the one-shot
+//! all-reduce's protocol over 4 ranks (bit-exact sums);
 //! tables on stdout, JSON with `--json`, non-zero exit on any mismatch or a failed sweep. `engine/benches/gpu-check.sh` runs it on a lent GPU machine.
 
 use std::path::PathBuf;
@@ -57,17 +58,29 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         ),
         Err(e) => println!("\nall-reduce sweep over {gpus} GPU(s) failed: {e}"),
     }
+    // The one-shot kernel's protocol over 4 ranks on whatever GPUs there are (several ranks per
+    // GPU on a one-GPU machine): real launches, flags and parities, every sum checked.
+    let one_shot = kiln::backend::cuda::one_shot_selftest(4, 300, seed);
+    match &one_shot {
+        Ok(line) => println!("\n{line}"),
+        Err(e) => println!("\none-shot all-reduce FAILED: {e}"),
+    }
     if let Some(p) = &a.json {
         let sweep = match &sweep {
             Ok(points) => serde_json::json!({ "gpus": gpus, "points": points }),
             Err(e) => serde_json::json!({ "gpus": gpus, "error": e }),
         };
-        let body = serde_json::json!({ "seed": seed, "ops": results, "allreduce": sweep });
+        let one_shot = match &one_shot {
+            Ok(line) => serde_json::json!({ "pass": true, "detail": line }),
+            Err(e) => serde_json::json!({ "pass": false, "detail": e }),
+        };
+        let body = serde_json::json!({ "seed": seed, "ops": results, "allreduce": sweep, "one_shot": one_shot });
         std::fs::write(p, serde_json::to_string_pretty(&body)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     let failed = results.iter().filter(|r| !r.pass).count();
     anyhow::ensure!(failed == 0, "{failed} of {} cases failed", results.len());
     sweep.map_err(|e| anyhow::anyhow!("all-reduce sweep: {e}"))?;
+    one_shot.map_err(|e| anyhow::anyhow!("one-shot all-reduce: {e}"))?;
     Ok(())
 }

@@ -23,5 +23,5 @@ pub use backend::{
 };
 pub use nccl_comm::NcclComm;
 pub use nccl_sweep::nccl_sweep;
-pub use oneshot::{OneShotGpu, one_shot_sweep};
+pub use oneshot::{OneShotGpu, one_shot_selftest, one_shot_sweep};
 pub use probe::{CudaReport, probe};

@@ -86,7 +86,8 @@ impl OneShotGpu {
         gpu.ctx
             .bind_to_thread()
             .map_err(|e| failed(err(format!("binding the CUDA context: {e:?}"))))?;
-        for peer in (0..world).filter(|&p| p != rank) {
+        // Ranks on the same GPU (the device check's several ranks per GPU) need no peer access.
+        for peer in (0..world).filter(|&p| devices[p] != devices[rank]) {
             let mut can = 0;
             // SAFETY: both are devices of this process's driver; `can` outlives the call.
             let r = unsafe {
@@ -264,12 +265,22 @@ pub fn one_shot_sweep(ranks: usize, deadline: Duration) -> Result<Vec<AllReduceP
         .collect())
 }
 
+/// The visible GPU rank `rank` runs on: its own where there are enough, else shared round-robin
+/// (the device check runs several ranks on one GPU).
+fn ordinal_of(rank: usize) -> Result<usize, String> {
+    let gpus = super::probe()?.devices.len();
+    if gpus == 0 {
+        return Err("no CUDA device".into());
+    }
+    Ok(rank % gpus)
+}
+
 fn sweep_rank(comm: &ThreadComm, sizes: &[u64]) -> Result<Vec<Duration>, String> {
     let fail = |e: String| {
         comm.health().fail();
         e
     };
-    let gpu = Gpu::open(comm.rank()).map_err(fail)?;
+    let gpu = ordinal_of(comm.rank()).and_then(Gpu::open).map_err(fail)?;
     let largest = sizes.iter().copied().max().unwrap_or(0);
     let one_shot = OneShotGpu::join(&gpu, comm, largest).map_err(|e| e.to_string())?;
     let mut buf = gpu
@@ -296,4 +307,77 @@ fn sweep_rank(comm: &ThreadComm, sizes: &[u64]) -> Result<Vec<Duration>, String>
         out.push(t.elapsed() / TIMED as u32);
     }
     Ok(out)
+}
+
+/// The protocol on real GPUs: `ranks` ranks (several per GPU when there are fewer GPUs; on one
+/// GPU their launches run side by side on its SMs, through system-scope flags as over PCIe), each
+/// summing `calls` messages of varying length filled from `seed`, checked bit for bit against the
+/// rank-ordered f32 sum rounded to bf16 that every rank must produce. Returns a line for the
+/// device check; Err names the first wrong value.
+pub fn one_shot_selftest(ranks: usize, calls: usize, seed: u64) -> Result<String, String> {
+    let comms = ThreadComm::group(ranks, Duration::from_secs(60));
+    let max_n = 8192usize;
+    // Message lengths and values every rank derives from the seed alone.
+    let length = |call: usize| 1 + (seed as usize).wrapping_add(call * 7919) % max_n;
+    let value = |rank: usize, call: usize, i: usize| -> bf16 {
+        let h = (seed ^ (rank as u64) << 40 ^ (call as u64) << 20 ^ i as u64)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        bf16::from_f32(((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0)
+    };
+    let t = Instant::now();
+    let results: Vec<Result<(), String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                scope.spawn(move || -> Result<(), String> {
+                    let rank = comm.rank();
+                    let fail = |e: String| {
+                        comm.health().fail();
+                        e
+                    };
+                    let gpu = ordinal_of(rank).and_then(Gpu::open).map_err(fail)?;
+                    let one_shot = OneShotGpu::join(&gpu, &comm, max_n as u64 * 2)
+                        .map_err(|e| e.to_string())?;
+                    for call in 0..calls {
+                        let n = length(call);
+                        let mine: Vec<bf16> = (0..n).map(|i| value(rank, call, i)).collect();
+                        let mut buf = gpu
+                            .stream
+                            .clone_htod(&mine)
+                            .map_err(|e| fail(format!("upload: {e:?}")))?;
+                        one_shot
+                            .all_reduce_bf16(&mut buf, n)
+                            .map_err(|e| format!("call {call}: {e}"))?;
+                        let got = gpu
+                            .stream
+                            .clone_dtoh(&buf)
+                            .map_err(|e| fail(format!("download: {e:?}")))?;
+                        for (i, g) in got.iter().enumerate() {
+                            let sum = (0..ranks).fold(0f32, |s, r| s + value(r, call, i).to_f32());
+                            if g.to_bits() != bf16::from_f32(sum).to_bits() {
+                                return Err(fail(format!(
+                                    "call {call} (n {n}), value {i}: {g} where the rank-ordered sum is {sum}"
+                                )));
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a rank thread panicked".into()))
+            })
+            .collect()
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.map_err(|e| format!("rank {rank}: {e}"))?;
+    }
+    Ok(format!(
+        "one-shot all-reduce: {ranks} ranks x {calls} calls of 1..{max_n} values, every sum bit-exact ({:.1} s)",
+        t.elapsed().as_secs_f64()
+    ))
 }
