@@ -136,6 +136,8 @@
                 }
               '';
               passthru.kilnCuda = true;
+              # The NixOS module checks the driver against it (the PTX this NVRTC writes).
+              passthru.nvrtcVersion = cuda.cuda_nvrtc.version;
               meta.mainProgram = "kiln";
             }
           );

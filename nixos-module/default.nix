@@ -26,10 +26,17 @@ let
     lib.elem "nvidia" (config.services.xserver.videoDrivers or [ ])
     || (config.hardware.nvidia.datacenter.enable or false);
   persistenced = nvidiaDriver && (config.hardware.nvidia.nvidiaPersistenced or false);
-  # kiln's CUDA package is CUDA 13.0 (flake.nix): its NVRTC writes PTX that drivers before 580
-  # cannot load.
+  # kiln compiles its kernels at start with the NVRTC its package ships, and the driver must load
+  # that NVRTC's PTX: each CUDA release's PTX ISA (9.0 for 13.0, 9.1 for 13.1) needs the driver
+  # branch released with it. The CUDA package names its NVRTC (passthru.nvrtcVersion); a package
+  # without one is taken as the flake's CUDA 13.0.
   driverVersion = config.hardware.nvidia.package.version or null;
-  minDriver = "580";
+  minDriverForNvrtc = {
+    "13.0" = "580";
+    "13.1" = "590";
+  };
+  nvrtcOf = pkg: pkg.nvrtcVersion or "13.0";
+  minDriverOf = pkg: minDriverForNvrtc.${lib.versions.majorMinor (nvrtcOf pkg)} or null;
 
   # One ExecStart= argument taken literally: JSON string quoting is systemd's double-quote syntax;
   # `%` (specifiers) and `$` (variables) are doubled so neither touches a path.
@@ -570,8 +577,16 @@ let
         message = "${at}: openFirewall is set but the instance binds ${r.host}; set host = \"0.0.0.0\" (with apiKeyFile) or drop openFirewall.";
       }
       {
-        assertion = !r.gpu || driverVersion == null || lib.versionAtLeast driverVersion minDriver;
-        message = "${at}: kiln's CUDA package is CUDA 13.0, which needs NVIDIA driver ${minDriver} or newer; hardware.nvidia.package is ${toString driverVersion}.";
+        assertion = !r.gpu || minDriverOf i.package != null;
+        message = "${at}: the kiln package ships NVRTC ${nvrtcOf i.package}, and the module does not know the oldest NVIDIA driver that loads its PTX; add it to minDriverForNvrtc.";
+      }
+      {
+        assertion =
+          !r.gpu
+          || driverVersion == null
+          || minDriverOf i.package == null
+          || lib.versionAtLeast driverVersion (minDriverOf i.package);
+        message = "${at}: the kiln package ships NVRTC ${nvrtcOf i.package}, whose PTX needs NVIDIA driver ${toString (minDriverOf i.package)} or newer; hardware.nvidia.package is ${toString driverVersion}.";
       }
       {
         assertion = !r.gpu || nvidiaDriver;

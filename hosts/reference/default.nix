@@ -88,7 +88,10 @@ in
       {
         host = "0.0.0.0";
         port = 30000;
-        model = "/var/lib/kiln/models/Kimi-K2-Instruct";
+        # Kimi-K2-Thinking as Moonshot ships it: routed experts in compressed-tensors INT4 (group
+        # 32), the rest bf16, tiktoken.model; kiln keeps the INT4 packed (about 594 GB, 74 GB per
+        # GPU at tensor parallelism 8, experts split expert-parallel).
+        model = "/var/lib/kiln/models/Kimi-K2-Thinking";
         # PCIe-only RTX PRO 6000 boxes: P2P across root ports, more channels, the low-latency
         # protocol for small decode all-reduces, no InfiniBand probe. Without tuning the reference's
         # baseline fell from ~89 to ~63 tok/s. The sweep measures these; the lock freezes them.
@@ -99,10 +102,23 @@ in
           ibDisable = true;
         };
         settings = {
-          speculative-algorithm = "ngram";
+          device = "cuda";
+          tensor-parallel-size = 8;
+          # The weights take ~74 GB of each 96 GB GPU; the KV pool (one MLA latent per token and
+          # layer, 70 KB per token) gets the rest of this fraction.
+          mem-fraction-static = 0.9;
+          # An EAGLE-3 head for Kimi-K2 in SGLang's layout (LlamaForCausalLMEagle3: fc, midlayer,
+          # norm, lm_head over a draft vocabulary with d2t), chain drafts of 3 (tree speculation
+          # runs at tensor parallelism 1 only); the adaptive policy turns drafting down under load.
+          speculative-algorithm = "eagle3";
+          speculative-draft-model-path = "/var/lib/kiln/models/Kimi-K2-Thinking-EAGLE3";
           speculative-num-steps = 3;
+          speculative-eagle-topk = 1;
           speculative-policy = "adaptive";
           max-running = 128;
+          # NCCL only until the sweep measures the one-shot kernel against it on this box (the
+          # lock then records the crossover, typically tens of KiB over PCIe).
+          one-shot-allreduce-max-bytes = 0;
         };
       }
   );

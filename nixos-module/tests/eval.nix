@@ -20,6 +20,13 @@ let
   # 4. The committed hosts.
   reference = eval ../../hosts/reference;
   referenceUnit = reference.systemd.services.kiln-main;
+  referenceConfig = builtins.readFile (
+    lib.head (
+      lib.splitString "\"" (
+        lib.head (lib.tail (lib.splitString "\"--config\" \"" referenceUnit.serviceConfig.ExecStart))
+      )
+    )
+  );
   cpuHost = eval ../../hosts/cpu;
   cpuHostUnit = cpuHost.systemd.services.kiln-default;
 
@@ -99,6 +106,24 @@ let
       services.xserver.videoDrivers = [ "nvidia" ];
       hardware.nvidia.package = fakePackage "nvidia-x11" { version = "570.172.08"; };
       services.kiln.instances.x.gpus = [ 0 ];
+    };
+    # A package built against CUDA 13.1's NVRTC on the 580 driver: its PTX would not load.
+    newerNvrtc = eval {
+      services.xserver.videoDrivers = [ "nvidia" ];
+      hardware.nvidia.package = fakePackage "nvidia-x11" { version = "580.95.05"; };
+      services.kiln.instances.x.gpus = [ 0 ];
+      services.kiln.instances.x.package = fakePackage "kiln-cuda" {
+        kilnCuda = true;
+        nvrtcVersion = "13.1.80";
+      };
+    };
+    unknownNvrtc = eval {
+      services.xserver.videoDrivers = [ "nvidia" ];
+      services.kiln.instances.x.gpus = [ 0 ];
+      services.kiln.instances.x.package = fakePackage "kiln-cuda" {
+        kilnCuda = true;
+        nvrtcVersion = "14.0.1";
+      };
     };
     secretInStore = eval {
       services.kiln.instances.x.apiKeyFile = "/nix/store/00000000000000000000000000000000-key";
@@ -304,6 +329,18 @@ in
   (check "hosts/reference: NCCL tuning in the environment" (
     referenceUnit.environment.NCCL_P2P_LEVEL == "SYS" && referenceUnit.environment.NCCL_PROTO == "LL"
   ) referenceUnit.environment)
+  (check "hosts/reference: Kimi-K2-Thinking over 8 GPUs with an EAGLE-3 head"
+    (
+      contains "\"--model\" \"/var/lib/kiln/models/Kimi-K2-Thinking\"" referenceUnit.serviceConfig.ExecStart
+      && contains "tensor-parallel-size = 8\n" referenceConfig
+      && contains "speculative-algorithm = \"eagle3\"\n" referenceConfig
+      && contains "speculative-draft-model-path = \"/var/lib/kiln/models/Kimi-K2-Thinking-EAGLE3\"\n" referenceConfig
+    )
+    [
+      referenceUnit.serviceConfig.ExecStart
+      referenceConfig
+    ]
+  )
   (check "hosts/reference: ACS cleared before kiln starts"
     (lib.elem "kiln-main.service" reference.systemd.services.kiln-disable-acs.before)
     reference.systemd.services.kiln-disable-acs.before
@@ -386,6 +423,8 @@ in
   (expectFailure "sharedGpu" "a and b share GPU(s) 1")
   (expectFailure "lockGpuCount" "the lock was measured on 8 GPU(s) but gpus lists 4")
   (expectFailure "oldDriver" "needs NVIDIA driver 580 or newer")
+  (expectFailure "newerNvrtc" "ships NVRTC 13.1.80, whose PTX needs NVIDIA driver 590 or newer")
+  (expectFailure "unknownNvrtc" "add it to minDriverForNvrtc")
   (expectFailure "secretInStore" "must lie outside the Nix store")
   (expectFailure "skipHashWithoutLock" "skipModelHash skips the lock's model hash check")
   (expectFailure "canaryWithoutLock" "canary and driftPolicy compare the machine with a lock")

@@ -72,7 +72,10 @@ let
   # The flake as the hosts see it (`kiln` in specialArgs): packages only.
   kilnFlake.packages.x86_64-linux = {
     default = kiln;
-    cuda = fakePackage "kiln-cuda" { kilnCuda = true; };
+    cuda = fakePackage "kiln-cuda" {
+      kilnCuda = true;
+      nvrtcVersion = "13.0.88";
+    };
     default-model = defaultModel;
   };
   eval =
