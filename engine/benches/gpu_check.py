@@ -8,7 +8,9 @@
    prompt, 32 greedy tokens with logprobs through /v1/completions, against transformers' greedy
    generate on the same GPU in bf16 (eager attention, no cache tricks). Pass: the tokens are equal,
    or they part where transformers' top two logits are within TIE (a near-tie bf16 cannot order);
-   and every shared token's logprob is within LOGPROB_TOL of transformers'.
+   and every shared token's logprob is within LOGPROB_TOL of transformers'. Then the tiny
+   DeepSeek-V3 / Kimi-K2 models of tests/fixtures (MLA + MoE; float32, block FP8, INT4 experts)
+   against the transformers float32 greedy tokens recorded there, by the same rule.
 2. Speed: a Llama-3-8B-shaped model (hidden 4096, 32 heads of 128, 8 KV heads, MLP 14336, vocab
    128256) with SPEED_LAYERS layers of random bf16 weights. kiln generate --device cuda: batch-1
    decode tok/s after a 512-token prompt and prefill tok/s at 512 and 4096 tokens; kiln serve driven
@@ -194,6 +196,59 @@ def parity_case(name, cfg, a, root):
             "want": want, "got": got}
 
 
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+
+
+def deepseek_cases():
+    """The tiny DeepSeek-V3 / Kimi-K2 models the CPU tests use (MLA + MoE: float32, block FP8,
+    compressed-tensors INT4 experts; 4 and 8 heads), with transformers' float32 greedy tokens and
+    per-step top-2 margins from tests/reference/make_tiny_deepseek.py."""
+    for fixture in ("tiny-deepseek.json", "tiny-deepseek-8h.json"):
+        for m in json.loads((FIXTURES / fixture).read_text())["models"]:
+            yield m
+
+
+def deepseek_parity_case(m, a, root):
+    """kiln serve --device cuda (bf16) on a copy of the fixture with a word-level tokenizer; the
+    greedy tokens against transformers' float32 ones: equal, or parted where the reference's
+    top-2 margin is within TIE; the first token's logprob against the reference's."""
+    import math
+    import shutil
+
+    name = m["name"]
+    d = root / f"deepseek-{name}"
+    if d.exists():
+        shutil.rmtree(d)
+    shutil.copytree(FIXTURES / m["dir"], d)
+    tokenizer(d, 512)
+    prompt, want, margins = m["prompt_ids"], m["greedy_ids"], m["margins"]
+    server = Server(a.kiln, d, a.device, log_path=a.out / f"serve-deepseek-{name}.log")
+    try:
+        r = server.post("/v1/completions", {"model": server.get("/v1/models")["data"][0]["id"],
+                                             "prompt": prompt, "max_tokens": len(want),
+                                             "temperature": 0, "logprobs": 1, "ignore_eos": True})
+    finally:
+        server.close()
+    lp = r["choices"][0]["logprobs"]
+    got = token_ids(lp["tokens"])
+    last = m["last_logits"]
+    top = max(last)
+    log_z = top + math.log(sum(math.exp(x - top) for x in last))
+    first_error = abs((last[got[0]] - log_z) - lp["token_logprobs"][0]) if got and got[0] >= 0 else float("inf")
+    verdict = "equal"
+    for i, (w, k) in enumerate(zip(want, got)):
+        if w != k:
+            verdict = (f"near-tie at {i} (reference margin {margins[i]:.3f})" if margins[i] <= TIE
+                       else f"DIFFERS at {i} (reference margin {margins[i]:.3f})")
+            break
+    else:
+        if len(got) != len(want):
+            verdict = f"DIFFERS: {len(got)} tokens, want {len(want)}"
+    ok = not verdict.startswith("DIFFERS") and first_error <= LOGPROB_TOL
+    return {"model": name, "tokens_equal": verdict == "equal", "verdict": verdict,
+            "max_logprob_error": first_error, "pass": ok, "want": want, "got": got}
+
+
 def measured_bandwidth_and_gemm():
     import torch
 
@@ -331,6 +386,17 @@ def main():
         results["parity"].append(r)
         log(f"   {name}: {r['verdict']}, max logprob error {r.get('max_logprob_error', float('nan')):.3f}"
             f" -> {'pass' if r['pass'] else 'FAIL'}")
+        (a.out / "e2e.json").write_text(json.dumps(results, indent=1))
+    # MLA + MoE on the GPU (issue 28): the DeepSeek-V3 / Kimi-K2 tiny models against transformers.
+    for m in deepseek_cases():
+        log(f"== parity {m['name']} (MLA + MoE)")
+        try:
+            r = deepseek_parity_case(m, a, root)
+        except Exception as e:
+            r = {"model": m["name"], "pass": False, "verdict": f"error: {e}"}
+        results["parity"].append(r)
+        log(f"   {m['name']}: {r['verdict']}, first-token logprob error "
+            f"{r.get('max_logprob_error', float('nan')):.3f} -> {'pass' if r['pass'] else 'FAIL'}")
         (a.out / "e2e.json").write_text(json.dumps(results, indent=1))
     if not a.skip_speed:
         log("== speed")
