@@ -175,9 +175,9 @@ VARIANTS = {
         "split_draft": False,
     },
     "kiln, gaps closed": {
-        # Experts split by columns while a step picks few of them (at most ~64 tokens), whole per
-        # GPU above; a vocabulary-split LM head; no host wait per collective; the head split too.
-        "expert_parallel": lambda tokens: tokens > 64,
+        # Experts split by columns (`--moe-split columns`, built); a vocabulary-split LM head, no
+        # host wait per collective and the draft head split too (not built).
+        "expert_parallel": lambda tokens: False,
         "split_lm_head": True,
         "one_shot": True,
         "bubble": False,

@@ -18,6 +18,7 @@ use kiln::load::{LoadedModel, load_model, open_weights};
 use kiln::model::mla::MlaForm;
 use kiln::model::moe::route;
 use kiln::model::{ForwardBatch, Workspace};
+use kiln::parallel::MoeSplit;
 use kiln::parallel::tp::{GreedyRun, TpOptions, greedy};
 use kiln::runner::Device;
 
@@ -291,10 +292,21 @@ fn router_choices_and_weights_match_transformers() {
     }
 }
 
-/// `n` greedy tokens over `world` rank threads, exact mode.
+/// `n` greedy tokens over `world` rank threads, exact mode, experts split expert-parallel.
 fn tp_greedy(
     path: &std::path::Path,
     world: usize,
+    prompt: &[u32],
+    n: usize,
+    name: &str,
+) -> GreedyRun {
+    tp_greedy_split(path, world, MoeSplit::Experts, prompt, n, name)
+}
+
+fn tp_greedy_split(
+    path: &std::path::Path,
+    world: usize,
+    moe: MoeSplit,
     prompt: &[u32],
     n: usize,
     name: &str,
@@ -306,6 +318,7 @@ fn tp_greedy(
         threads_per_rank: 1,
         timeout: Duration::from_secs(300),
         group: Default::default(),
+        moe,
     };
     greedy(path, opts, prompt, n).unwrap_or_else(|e| panic!("{name}, TP={world}: {e}"))
 }
@@ -361,6 +374,52 @@ fn eight_head_models_split_over_2_4_and_8_ranks_match_the_whole_model_and_transf
             for (a, b) in split.logits.iter().zip(&whole.logits) {
                 let e = common::rel_err(a, b);
                 assert!(e < 1e-4, "{name}: TP={world} logits differ by {e:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn experts_split_by_columns_match_the_whole_model_and_transformers() {
+    // Every rank a slice of every expert: the routing is the same on every rank and each picked
+    // expert's output is summed across ranks by the MLP's all-reduce.
+    let four = common::fixture("tiny-deepseek.json");
+    let eight = common::fixture("tiny-deepseek-8h.json");
+    let cases = [
+        (&four, "deepseek-v3", &[2, 4][..]),
+        (&eight, "deepseek-v3-8h", &[2, 4, 8][..]),
+        (&eight, "kimi-k2-int4-8h", &[2, 4, 8][..]),
+    ];
+    for (f, name, worlds) in cases {
+        let case = f["models"]
+            .as_array()
+            .expect("models")
+            .iter()
+            .find(|m| m["name"] == name)
+            .expect("model in fixture");
+        let path = fixture_dir(case);
+        let prompt = ids(case, "prompt_ids");
+        let reference = ids(case, "greedy_ids");
+        let whole = tp_greedy(&path, 1, &prompt, reference.len(), name);
+        for &world in worlds {
+            let split = tp_greedy_split(
+                &path,
+                world,
+                MoeSplit::Columns,
+                &prompt,
+                reference.len(),
+                name,
+            );
+            assert_eq!(
+                split.tokens, reference,
+                "{name}: columns TP={world} vs transformers"
+            );
+            for (a, b) in split.logits.iter().zip(&whole.logits) {
+                let e = common::rel_err(a, b);
+                assert!(
+                    e < 1e-4,
+                    "{name}: columns TP={world} logits differ by {e:e}"
+                );
             }
         }
     }

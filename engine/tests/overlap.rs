@@ -26,6 +26,7 @@ fn engine(overlap: bool, graphs: GraphUse) -> (EngineHandle, Arc<Metrics>) {
         tensor_parallel: 1,
         collective_timeout: Duration::from_secs(60),
         group: Default::default(),
+        moe_split: Default::default(),
         draft_model: None,
         mem_fraction: None,
         runner: RunnerConfig {

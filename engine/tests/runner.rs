@@ -34,6 +34,7 @@ fn runner_with(spec: SpecConfig, sampling: SamplingSite, graphs: GraphUse) -> Bo
         tensor_parallel: 1,
         collective_timeout: std::time::Duration::from_secs(60),
         group: Default::default(),
+        moe_split: Default::default(),
         draft_model: None,
         mem_fraction: None,
         runner: RunnerConfig {

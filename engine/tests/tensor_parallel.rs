@@ -25,6 +25,7 @@ fn run_in(precision: Precision, path: &Path, world: usize, prompt: &[u32], n: us
         threads_per_rank: 1,
         timeout: Duration::from_secs(300),
         group: Default::default(),
+        moe: Default::default(),
     };
     greedy(path, opts, prompt, n).unwrap_or_else(|e| panic!("{}, TP={world}: {e}", path.display()))
 }
@@ -144,6 +145,7 @@ fn a_split_that_does_not_fit_is_refused_by_name_and_nothing_hangs() {
         threads_per_rank: 1,
         timeout: Duration::from_secs(60),
         group: Default::default(),
+        moe: Default::default(),
     };
     let e = greedy(&common::smollm2(), opts(2), &[1, 2, 3], 2).unwrap_err();
     assert!(e.to_string().contains("9 attention heads"), "{e}");
@@ -238,6 +240,7 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
         threads_per_rank: 1,
         block_size: 16,
         group: Default::default(),
+        moe: Default::default(),
     };
     // A peer that cannot load fails the start with the loading error.
     let mut comms = ThreadComm::group(2, Duration::from_secs(10));

@@ -150,6 +150,11 @@ pub struct ServeArgs {
     /// must divide (or the KV heads be a divisor) [default: 1].
     #[arg(long, visible_aliases = ["tp", "tp-size"])]
     tensor_parallel_size: Option<usize>,
+    /// Tensor parallelism over an MoE model: experts (each rank holds whole experts,
+    /// expert-parallel) or columns (each rank holds a slice of every expert: balanced at small
+    /// batch) [default: experts].
+    #[arg(long, value_enum)]
+    moe_split: Option<kiln::parallel::MoeSplit>,
     /// GPU tensor parallelism: all-reduces of at most this many bytes run on kiln's one-shot
     /// peer-to-peer kernel, larger ones on NCCL; 0: NCCL only. `kiln lock` measures both and
     /// records the crossover [default: 0].
@@ -236,6 +241,7 @@ max-connections = 1024
 max-n = 16
 tensor-parallel-size = 1
 one-shot-allreduce-max-bytes = 0
+moe-split = "experts"
 shutdown-timeout = 30
 speculative-algorithm = "none"
 speculative-num-steps = 3
@@ -441,6 +447,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
         max_connections: positive("max-connections", a.max_connections)?,
         max_n: positive("max-n", a.max_n)?,
         tensor_parallel: positive("tensor-parallel-size", a.tensor_parallel_size)?,
+        moe_split: given("moe-split", a.moe_split)?,
         group: kiln::parallel::GroupOptions {
             one_shot_max_bytes: given(
                 "one-shot-allreduce-max-bytes",

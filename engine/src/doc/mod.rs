@@ -94,6 +94,7 @@ fn why(key: &str) -> &'static str {
         "tensor-parallel-size" => {
             "ranks the model's heads and MLP are split across (one all-reduce per sub-layer)"
         }
+        "moe-split" => "how tensor parallelism splits the routed experts: whole experts or columns",
         "one-shot-allreduce-max-bytes" => {
             "GPU: all-reduces up to this size run on the one-shot peer-to-peer kernel, larger on NCCL"
         }

@@ -484,8 +484,20 @@ impl<B: Backend> Llama<B> {
                  expert width {shared_inter}"
             )));
         }
-        let mine = shard.rank * e / w..(shard.rank + 1) * e / w;
         let mi = moe.moe_intermediate_size;
+        let columns = shard.moe == crate::parallel::MoeSplit::Columns && w > 1;
+        if columns && !mi.is_multiple_of(w) {
+            return Err(Error::InvalidRequest(format!(
+                "tensor parallelism {w} cannot split the experts by columns: expert width {mi}"
+            )));
+        }
+        // Expert-parallel: this rank's whole experts. By columns: a slice of every expert.
+        let mine = if columns {
+            0..e
+        } else {
+            shard.rank * e / w..(shard.rank + 1) * e / w
+        };
+        let slice = shard.rank * mi / w..(shard.rank + 1) * mi / w;
         // GGUF stacks each projection of every expert into one `[experts, rows, cols]` tensor.
         let stacked = match store {
             WeightStore::Gguf(_) => Some([
@@ -511,6 +523,15 @@ impl<B: Backend> Llama<B> {
                         get(&name("down"), &[h, mi])?,
                     ]
                 }
+            };
+            let [gate, up, down] = if columns {
+                [
+                    rows(gate, slice.clone())?,
+                    rows(up, slice.clone())?,
+                    cols(down, slice.clone())?,
+                ]
+            } else {
+                [gate, up, down]
             };
             experts.push(Some(Expert::load(backend, gate, up, down, precision)?));
         }

@@ -15,7 +15,7 @@ pub mod tp;
 pub use deadline::{Progress, await_collective};
 pub use oneshot::OneShotComm;
 pub use peers::{PeerConfig, TpGroup, TpPeers};
-pub use shard::{Shard, ShardPlan};
+pub use shard::{MoeSplit, Shard, ShardPlan};
 pub use threads::{GroupHealth, ThreadComm};
 
 use std::time::Duration;

@@ -15,7 +15,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{CommError, Communicator, GroupOptions, Shard, ThreadComm};
+use super::{CommError, Communicator, GroupOptions, MoeSplit, Shard, ThreadComm};
 use crate::backend::{Backend, Precision, SeqSpan};
 use crate::error::{Error, Result};
 use crate::model::{ForwardBatch, Llama, Workspace};
@@ -79,6 +79,8 @@ pub struct PeerConfig {
     pub block_size: usize,
     /// How the device collectives are set up (every rank the same).
     pub group: GroupOptions,
+    /// How the routed experts are split (rank 0's shard the same).
+    pub moe: MoeSplit,
 }
 
 fn peer_main(
@@ -145,6 +147,7 @@ impl WithBackend for Peer<'_> {
             let shard = Shard {
                 rank,
                 world: comm.world(),
+                moe: cfg.moe,
             };
             let model =
                 Llama::load_shard(&backend, config, &store, cfg.precision, shard, |_, _| {})?;
@@ -325,7 +328,7 @@ pub struct TpGroup {
 impl TpGroup {
     /// A group of `world` ranks over `cfg`'s model, rank 0 on `rank0`'s backend; returns once
     /// every rank has joined the group and ranks 1.. have loaded their shards (rank 0 loads its
-    /// own, `Shard { rank: 0, world }`, then calls [`TpGroup::size_caches`]). A collective waiting
+    /// own, `Shard { rank: 0, world, moe }`, then calls [`TpGroup::size_caches`]). A collective waiting
     /// longer than `timeout` for a stalled rank fails the group.
     pub fn spawn<B: Backend>(
         cfg: PeerConfig,

@@ -13,6 +13,33 @@ use crate::model::ModelConfig;
 pub struct Shard {
     pub rank: usize,
     pub world: usize,
+    /// How the routed experts of an MoE model are split.
+    pub moe: MoeSplit,
+}
+
+/// How tensor parallelism splits an MoE layer's routed experts.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum MoeSplit {
+    /// Expert-parallel: each rank holds whole experts (1/world of them) and computes the tokens
+    /// routed to those. Few, large matmuls per rank; at small batch the rank holding the most
+    /// picked experts sets the pace.
+    #[default]
+    Experts,
+    /// Every rank holds a 1/world slice of every expert's intermediate columns (Megatron's split
+    /// of an MLP, per expert): balanced whatever the routing, one matmul per picked expert per
+    /// rank.
+    Columns,
 }
 
 /// One rank's slice of a model, in heads and intermediate columns.
@@ -24,7 +51,20 @@ pub struct ShardPlan {
 }
 
 impl Shard {
-    pub const WHOLE: Shard = Shard { rank: 0, world: 1 };
+    pub const WHOLE: Shard = Shard {
+        rank: 0,
+        world: 1,
+        moe: MoeSplit::Experts,
+    };
+
+    /// Rank `rank` of `world`, experts split expert-parallel.
+    pub fn of(rank: usize, world: usize) -> Shard {
+        Shard {
+            rank,
+            world,
+            moe: MoeSplit::Experts,
+        }
+    }
 
     /// The plan for this rank, or an error naming the dimension that does not divide.
     pub fn plan(&self, c: &ModelConfig) -> Result<ShardPlan> {
@@ -100,7 +140,7 @@ mod tests {
     #[test]
     fn heads_and_columns_split_evenly() {
         let c = config(14, 2, 4864);
-        let p = Shard { rank: 1, world: 2 }.plan(&c).unwrap();
+        let p = Shard::of(1, 2).plan(&c).unwrap();
         assert_eq!(p.q_heads, 7..14);
         assert_eq!(p.kv_heads, 1..2);
         assert_eq!(p.intermediate, 2432..4864);
@@ -110,7 +150,7 @@ mod tests {
     fn kv_heads_are_replicated_when_ranks_outnumber_them() {
         let c = config(4, 2, 128);
         let kv: Vec<_> = (0..4)
-            .map(|rank| Shard { rank, world: 4 }.plan(&c).unwrap().kv_heads)
+            .map(|rank| Shard::of(rank, 4).plan(&c).unwrap().kv_heads)
             .collect();
         // Query heads 0,1 read KV head 0; 2,3 read KV head 1: one query head per rank.
         assert_eq!(kv, [0..1, 0..1, 1..2, 1..2]);
@@ -118,13 +158,9 @@ mod tests {
 
     #[test]
     fn a_world_that_does_not_divide_is_refused_by_name() {
-        let e = Shard { rank: 0, world: 2 }
-            .plan(&config(9, 3, 1536))
-            .unwrap_err();
+        let e = Shard::of(0, 2).plan(&config(9, 3, 1536)).unwrap_err();
         assert!(e.to_string().contains("9 attention heads"), "{e}");
-        let e = Shard { rank: 0, world: 4 }
-            .plan(&config(12, 3, 1536))
-            .unwrap_err();
+        let e = Shard::of(0, 4).plan(&config(12, 3, 1536)).unwrap_err();
         assert!(e.to_string().contains("3 KV heads"), "{e}");
     }
 }

@@ -31,6 +31,8 @@ pub struct TpOptions {
     pub timeout: Duration,
     /// How the device collectives are set up (GPU ranks).
     pub group: super::GroupOptions,
+    /// How the routed experts of an MoE model are split.
+    pub moe: super::MoeSplit,
 }
 
 const BLOCK_SIZE: usize = 16;
@@ -86,6 +88,7 @@ fn greedy_over<B: Backend>(
             threads_per_rank: opts.threads_per_rank,
             block_size: BLOCK_SIZE,
             group: opts.group,
+            moe: opts.moe,
         };
         Some(TpGroup::spawn(cfg, opts.world, opts.timeout, &backend)?)
     } else {
@@ -95,6 +98,7 @@ fn greedy_over<B: Backend>(
     let shard = Shard {
         rank: 0,
         world: opts.world,
+        moe: opts.moe,
     };
     let model = Llama::load_shard(&backend, config, &store, opts.precision, shard, |_, _| {})?;
     let c = &model.config;

@@ -29,6 +29,8 @@ pub struct LoadSpec {
     pub collective_timeout: Duration,
     /// How the GPU ranks' collectives are set up.
     pub group: crate::parallel::GroupOptions,
+    /// How tensor parallelism splits the routed experts of an MoE model.
+    pub moe_split: crate::parallel::MoeSplit,
     /// The EAGLE-3 draft head's directory.
     pub draft_model: Option<PathBuf>,
     /// `--mem-fraction-static`: when set, `runner.kv_tokens` is replaced by what this fraction of
@@ -93,6 +95,7 @@ impl WithBackend for Job<'_> {
                 threads_per_rank: per_rank,
                 block_size: spec.runner.block_size,
                 group: spec.group,
+                moe: spec.moe_split,
             };
             Some(TpGroup::spawn(
                 cfg,
@@ -109,7 +112,11 @@ impl WithBackend for Job<'_> {
             backend,
             &spec.model,
             spec.precision,
-            Shard { rank: 0, world },
+            Shard {
+                rank: 0,
+                world,
+                moe: spec.moe_split,
+            },
             |done, total| {
                 if done != last {
                     last = done;

@@ -217,6 +217,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         tensor_parallel: opts.tensor_parallel,
         collective_timeout: TP_COLLECTIVE_TIMEOUT,
         group: opts.group,
+        moe_split: opts.moe_split,
         draft_model: opts.draft_model.clone(),
         mem_fraction: match opts.kv {
             KvSize::MemoryFraction(f) => Some(f),

@@ -54,6 +54,8 @@ pub struct ServeOptions {
     pub tensor_parallel: usize,
     /// How the GPU ranks' collectives are set up (one-shot kernel or NCCL by size).
     pub group: crate::parallel::GroupOptions,
+    /// How tensor parallelism splits an MoE model's routed experts.
+    pub moe_split: crate::parallel::MoeSplit,
     pub shutdown_timeout: Duration,
     pub instance: String,
     /// Detokenization off the engine thread, alongside the next step (`--no-overlap`: on it).
