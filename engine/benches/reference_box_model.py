@@ -34,8 +34,8 @@ NCCL_LATENCY = 35e-6  # 25-50 us per small message across 8 PCIe GPUs
 NCCL_BUS_BW = 25e9  # bus bandwidth of NCCL's ring over PCIe (bytes/s)
 ONE_SHOT_LATENCY = 7.5e-6  # 6-9 us per small message, one-shot peer-to-peer kernel
 ONE_SHOT_LINK_BW = 40e9  # each GPU pushes (GPUS - 1) copies over its x16 link (ASSUMED)
-# kiln as built waits on the host for every collective (its deadline poll) before launching the
-# next kernels: the GPU idles for the launch latency after each one (ASSUMED ~7 us).
+# A host wait after every collective idles the GPU for a launch's latency (ASSUMED ~7 us). kiln
+# waited so until its collectives moved under a watchdog thread (2026-12-07); kept to show the cost.
 HOST_SYNC_BUBBLE = 7e-6
 
 # --- Kimi-K2 (DATASHEET: config.json of moonshotai/Kimi-K2-Thinking) ----------------------------
@@ -168,15 +168,23 @@ def step(c, context, accept, spec, v):
 
 VARIANTS = {
     "kiln as built": {
+        # Expert-parallel experts (the default --moe-split), the LM head and the EAGLE-3 head whole.
         "expert_parallel": lambda tokens: True,
         "split_lm_head": False,
         "one_shot": True,
-        "bubble": True,
+        "bubble": False,
+        "split_draft": False,
+    },
+    "kiln as built, --moe-split columns": {
+        "expert_parallel": lambda tokens: False,
+        "split_lm_head": False,
+        "one_shot": True,
+        "bubble": False,
         "split_draft": False,
     },
     "kiln, gaps closed": {
-        # Experts split by columns (`--moe-split columns`, built); a vocabulary-split LM head, no
-        # host wait per collective and the draft head split too (not built).
+        # Experts split by columns (`--moe-split columns`, built); a vocabulary-split LM head and
+        # the draft head split too (not built).
         "expert_parallel": lambda tokens: False,
         "split_lm_head": True,
         "one_shot": True,

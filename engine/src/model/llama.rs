@@ -622,7 +622,10 @@ impl<B: Backend> Llama<B> {
         comm: &dyn Communicator,
     ) -> Result<Vec<f32>> {
         self.forward_inner(backend, kv, batch, ws, Some(comm))?;
-        backend.to_host(&ws.proj)
+        let logits = backend.to_host(&ws.proj)?;
+        // The step's collectives have all ended by now; whether they ended well is known here.
+        comm.end_step()?;
+        Ok(logits)
     }
 
     fn forward_inner(

@@ -11,12 +11,14 @@ mod peers;
 mod shard;
 mod threads;
 pub mod tp;
+mod watchdog;
 
 pub use deadline::{Progress, await_collective};
 pub use oneshot::OneShotComm;
 pub use peers::{PeerConfig, TpGroup, TpPeers};
 pub use shard::{MoeSplit, Shard, ShardPlan};
 pub use threads::{GroupHealth, ThreadComm};
+pub use watchdog::{Completion, Watchdog};
 
 use std::time::Duration;
 
@@ -65,5 +67,11 @@ pub trait Communicator: Send {
     /// host communicator, whose sums go through host copies.
     fn device(&self) -> Option<&dyn std::any::Any> {
         None
+    }
+    /// Called by each rank at the end of its step, once it has synchronized with its device
+    /// (its logits are on the host): a device communicator whose collectives run unwatched by the
+    /// rank's thread reports here what its watchdog saw. Host communicators fail in the call.
+    fn end_step(&self) -> Result<(), CommError> {
+        Ok(())
     }
 }

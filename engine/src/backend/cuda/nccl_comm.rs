@@ -3,10 +3,12 @@
 //!
 //! NCCL blocks by default — in `ncclCommInitRank` until every rank arrives, in a collective until
 //! every peer's part is there — so a dead or stalled rank would hang the server. The communicator
-//! is therefore created non-blocking (`blocking = 0`), and every wait goes through
-//! [`await_collective`]: it polls `ncclCommGetAsyncError` and the stream's progress, watches the
-//! group's failure state, and on a deadline or a peer's failure calls `ncclCommAbort`, which
-//! releases the GPU, so the rank can report and the process exit for the service manager.
+//! is therefore created non-blocking (`blocking = 0`). Joining waits in [`await_collective`]; the
+//! collectives are enqueued and left running (waiting on each would idle the GPU 122 times a
+//! Kimi-K2 token) under a [`Watchdog`] thread that polls `ncclCommGetAsyncError` and an event after
+//! each, watches the group's failure state, and on a deadline or a peer's failure calls
+//! `ncclCommAbort`, which ends the stuck kernels; the rank learns it at the end of its step
+//! (`Communicator::end_step`) and the process exits for the service manager.
 //!
 //! The rendezvous token (NCCL's unique id, made by rank 0) reaches the other ranks over the host
 //! group ([`ThreadComm::broadcast_bytes`]): the ranks are threads of one process. Messages up to
@@ -17,14 +19,15 @@ use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys};
 use half::bf16;
 
 use super::gpu::Gpu;
 use super::oneshot::OneShotGpu;
 use crate::parallel::{
-    CommError, Communicator, GroupHealth, GroupOptions, Progress, ThreadComm, await_collective,
+    CommError, Communicator, Completion, GroupHealth, GroupOptions, Progress, ThreadComm, Watchdog,
+    await_collective,
 };
 
 /// NCCL 2.17's `ncclConfig_t`, the first with `blocking`. NCCL reads a config's `size` and
@@ -65,24 +68,81 @@ impl ConfigV217 {
     }
 }
 
+/// The raw communicator, shared with the watchdog thread (which may abort it).
+struct Handle {
+    comm: sys::ncclComm_t,
+    /// Set once `ncclCommAbort` ran: the handle is gone.
+    aborted: AtomicBool,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time; kiln's rank
+// thread makes every call but `ncclCommGetAsyncError` and `ncclCommAbort`, which NCCL allows from
+// a watchdog thread (its documented way to stop a hung collective).
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+impl Handle {
+    /// Where the communicator's last call stands (`ncclInProgress` while a non-blocking call is
+    /// still being set up or enqueued).
+    fn async_state(&self) -> Progress {
+        if self.aborted.load(Ordering::Acquire) {
+            return Progress::Failed("the NCCL communicator was aborted".into());
+        }
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: the communicator is live (not aborted) and `state` outlives the call.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        match (r, state) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => Progress::Done,
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => {
+                Progress::Pending
+            }
+            (sys::ncclResult_t::ncclSuccess, failed) | (failed, _) => {
+                Progress::Failed(describe(failed))
+            }
+        }
+    }
+
+    /// Aborts the communicator once: its pending work ends and the GPU is released.
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            // SAFETY: the handle is live and aborted only here, once.
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
+    }
+}
+
+/// A collective enqueued on the stream, as the watchdog sees it: done when the event after it
+/// is, failed when NCCL reports an asynchronous error.
+struct Enqueued {
+    done: CudaEvent,
+    handle: Arc<Handle>,
+}
+
+impl Completion for Enqueued {
+    fn poll(&self) -> Progress {
+        match self.handle.async_state() {
+            Progress::Done => match self.done.try_is_complete() {
+                Ok(true) => Progress::Done,
+                Ok(false) => Progress::Pending,
+                Err(e) => Progress::Failed(format!("the stream failed: {e:?}")),
+            },
+            other => other,
+        }
+    }
+}
+
 /// One rank's NCCL communicator on its GPU's stream.
 pub struct NcclComm {
-    comm: sys::ncclComm_t,
+    handle: Arc<Handle>,
     rank: usize,
     world: usize,
     stream: Arc<CudaStream>,
     health: GroupHealth,
-    /// Set once `ncclCommAbort` ran: the handle is gone.
-    aborted: AtomicBool,
     /// The one-shot peer-to-peer kernel for messages up to its size, when the group uses it.
     one_shot: Option<OneShotGpu>,
+    /// Watches the enqueued collectives.
+    watchdog: Option<Watchdog>,
 }
-
-// SAFETY: an NCCL communicator may be used from any thread, one call at a time; kiln's rank
-// thread makes every call but `ncclCommAbort`, which NCCL allows from another thread to stop a
-// hung collective. The stream is cudarc's, which is Send + Sync.
-unsafe impl Send for NcclComm {}
-unsafe impl Sync for NcclComm {}
 
 /// An NCCL status in words (its name and NCCL's own message).
 fn describe(r: sys::ncclResult_t) -> String {
@@ -138,53 +198,48 @@ impl NcclComm {
             health.fail();
             return Err(device(format!("ncclCommInitRankConfig: {}", describe(e.0))));
         }
-        let mut nccl = NcclComm {
+        let handle = Arc::new(Handle {
             comm,
+            aborted: AtomicBool::new(false),
+        });
+        let mut nccl = NcclComm {
+            handle: handle.clone(),
             rank,
             world,
-            stream,
-            health,
-            aborted: AtomicBool::new(false),
+            stream: stream.clone(),
+            health: health.clone(),
             one_shot: None,
+            watchdog: None,
         };
-        await_collective(&nccl.health, || nccl.async_state(), || nccl.abort_comm())?;
+        // Joining waits here: nothing can run before every rank has joined.
+        await_collective(&health, || handle.async_state(), || handle.abort())?;
         if opts.one_shot_max_bytes > 0 {
             nccl.one_shot = Some(OneShotGpu::join(gpu, host, opts.one_shot_max_bytes)?);
         }
+        let ctx = stream.context().clone();
+        let watched = handle.clone();
+        let watchdog = Watchdog::start(
+            health.clone(),
+            move || {
+                // Event queries need the device's context on the watchdog's thread.
+                let _ = ctx.bind_to_thread();
+            },
+            move || watched.abort(),
+        )
+        .map_err(|e| {
+            health.fail();
+            device(format!("starting the collective watchdog: {e}"))
+        })?;
+        nccl.watchdog = Some(watchdog);
         Ok(nccl)
     }
 
-    /// Where the communicator's last call stands (`ncclInProgress` while a non-blocking call is
-    /// still being set up or enqueued).
-    fn async_state(&self) -> Progress {
-        if self.aborted.load(Ordering::Acquire) {
-            return Progress::Failed("the NCCL communicator was aborted".into());
-        }
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: the communicator is live (not aborted) and `state` outlives the call.
-        let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
-        match (r, state) {
-            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => Progress::Done,
-            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => {
-                Progress::Pending
-            }
-            (sys::ncclResult_t::ncclSuccess, failed) | (failed, _) => {
-                Progress::Failed(describe(failed))
-            }
-        }
-    }
-
-    /// Aborts the communicator once: its pending work ends and the GPU is released.
     fn abort_comm(&self) {
-        if !self.aborted.swap(true, Ordering::AcqRel) {
-            // SAFETY: the handle is live and aborted only here, once.
-            let _ = unsafe { result::comm_abort(self.comm) };
-        }
+        self.handle.abort();
     }
 
-    /// Sums the first `n` values of `data` across the group in place, on the stream, and waits
-    /// for it with the group's deadline (the next kernels need the sum, and a hung collective
-    /// must turn into an error, not a stuck stream).
+    /// Sums the first `n` values of `data` across the group in place, enqueued on the stream; the
+    /// watchdog holds it to the group's deadline, and the step's end reports how it went.
     pub fn all_reduce_bf16(&self, data: &mut CudaSlice<bf16>, n: usize) -> Result<(), CommError> {
         match &self.one_shot {
             Some(o) if n as u64 * 2 <= o.max_bytes() => o.all_reduce_bf16(data, n),
@@ -225,31 +280,50 @@ impl NcclComm {
                     n,
                     dtype,
                     sys::ncclRedOp_t::ncclSum,
-                    self.comm,
+                    self.handle.comm,
                     stream.cu_stream() as sys::cudaStream_t,
                 )
             };
-            if let Err(e) = enqueued {
-                self.abort_comm();
-                self.health.fail();
-                return Err(device(format!("ncclAllReduce: {}", describe(e.0))));
+            match enqueued {
+                Ok(result::NcclStatus::InProgress) => {
+                    // Still being enqueued (non-blocking communicators may say so): nothing else
+                    // may go to NCCL until it is.
+                    let h = &self.handle;
+                    await_collective(&self.health, || h.async_state(), || h.abort())?;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.abort_comm();
+                    self.health.fail();
+                    return Err(device(format!("ncclAllReduce: {}", describe(e.0))));
+                }
             }
         }
         let done = stream
             .record_event(None)
             .map_err(|e| device(format!("recording an event: {e:?}")))?;
-        await_collective(
-            &self.health,
-            || match self.async_state() {
-                Progress::Done => match done.try_is_complete() {
-                    Ok(true) => Progress::Done,
-                    Ok(false) => Progress::Pending,
-                    Err(e) => Progress::Failed(format!("the stream failed: {e:?}")),
-                },
-                other => other,
-            },
-            || self.abort_comm(),
-        )
+        if let Some(w) = &self.watchdog {
+            w.watch(Box::new(Enqueued {
+                done,
+                handle: self.handle.clone(),
+            }));
+        }
+        Ok(())
+    }
+
+    /// What the step's collectives came to: the watchdog's verdict, a peer's failure, the
+    /// one-shot kernel's status.
+    fn step_outcome(&self) -> Result<(), CommError> {
+        if let Some(w) = &self.watchdog {
+            w.outcome()?;
+        }
+        if let Some(rank) = self.health.failed() {
+            return Err(CommError::PeerFailed { rank });
+        }
+        match &self.one_shot {
+            Some(o) => o.check_status(),
+            None => Ok(()),
+        }
     }
 
     /// A host slice's sum, through a device copy (f32: the host communicator's contract).
@@ -266,7 +340,8 @@ impl NcclComm {
         self.all_reduce_raw(&mut on_device, n, sys::ncclDataType_t::ncclFloat32)?;
         self.stream
             .memcpy_dtoh(&on_device, data)
-            .map_err(|e| device(format!("copying to the host: {e:?}")))
+            .map_err(|e| device(format!("copying to the host: {e:?}")))?;
+        self.step_outcome()
     }
 }
 
@@ -304,6 +379,10 @@ impl Communicator for NcclComm {
 
     fn device(&self) -> Option<&dyn std::any::Any> {
         Some(self)
+    }
+
+    fn end_step(&self) -> Result<(), CommError> {
+        self.step_outcome()
     }
 }
 

@@ -6,8 +6,8 @@
 //! waits for the others' flags and sums in rank order.
 //!
 //! Neither side can hang: the kernel gives up after the group's timeout in clock cycles and
-//! writes which sender it waited for, and the host waits for the launch through
-//! [`await_collective`] (the group's failure state, a deadline) before it reads that status.
+//! writes which sender it waited for; the host does not wait on each launch but reads that status
+//! once a step, after its own synchronization ([`OneShotGpu::check_status`]).
 //!
 //! On one GPU this is a one-rank identity and proves nothing; its worth (and the size up to which
 //! it beats NCCL) is measured on a multi-GPU host by [`one_shot_sweep`], which `kiln doctor` and
@@ -24,9 +24,7 @@ use half::bf16;
 
 use super::gpu::Gpu;
 use crate::doctor::allreduce::{AllReducePoint, ONE_SHOT_SWEEP_MAX, SWEEP_BYTES};
-use crate::parallel::{
-    CommError, Communicator, GroupHealth, Progress, ThreadComm, await_collective,
-};
+use crate::parallel::{CommError, Communicator, GroupHealth, ThreadComm};
 
 /// Threads of the one block each rank launches: enough to keep a PCIe link busy with stores.
 const BLOCK: u32 = 512;
@@ -147,7 +145,8 @@ impl OneShotGpu {
         self.capacity as u64 * 2
     }
 
-    /// Sums the first `n` values of `data` across the group in place.
+    /// Sums the first `n` values of `data` across the group in place, enqueued on the stream
+    /// ([`OneShotGpu::check_status`] says afterwards whether every peer arrived in time).
     pub fn all_reduce_bf16(&self, data: &mut CudaSlice<bf16>, n: usize) -> Result<(), CommError> {
         let err = device_err(self.rank);
         if let Some(rank) = self.health.failed() {
@@ -190,22 +189,17 @@ impl OneShotGpu {
             // the world's inbox addresses (peer access enabled), each inbox `capacity` per slot.
             unsafe { b.launch(cfg) }.map_err(|e| err(format!("launching: {e:?}")))?;
         }
-        let done = stream
-            .record_event(None)
-            .map_err(|e| err(format!("recording an event: {e:?}")))?;
-        // The kernel ends on its own deadline; this wait adds the group's failure state.
-        await_collective(
-            &self.health,
-            || match done.try_is_complete() {
-                Ok(true) => Progress::Done,
-                Ok(false) => Progress::Pending,
-                Err(e) => Progress::Failed(format!("the stream failed: {e:?}")),
-            },
-            || {},
-        )?;
-        let status = stream
+        Ok(())
+    }
+
+    /// Whether every launch so far met its peers: the kernel ends on its own deadline and writes
+    /// the sender it waited for. Reads the status word (a copy that waits for the stream), so the
+    /// rank calls it once a step, after it has synchronized anyway.
+    pub fn check_status(&self) -> Result<(), CommError> {
+        let status = self
+            .stream
             .clone_dtoh(&self.status)
-            .map_err(|e| err(format!("reading the status: {e:?}")))?;
+            .map_err(|e| device_err(self.rank)(format!("reading the status: {e:?}")))?;
         match status.first().copied().unwrap_or(0) {
             0 => Ok(()),
             late => {
@@ -299,12 +293,19 @@ fn sweep_rank(comm: &ThreadComm, sizes: &[u64]) -> Result<Vec<Duration>, String>
             Ok(())
         };
         call(WARMUP)?;
+        gpu.stream
+            .synchronize()
+            .map_err(|e| fail(format!("stream synchronize: {e:?}")))?;
         // Lines the ranks up, so one rank's late start is not counted as the collective's time.
         let mut line = [0f32];
         comm.all_reduce_sum(&mut line).map_err(|e| e.to_string())?;
         let t = Instant::now();
         call(TIMED)?;
+        gpu.stream
+            .synchronize()
+            .map_err(|e| fail(format!("stream synchronize: {e:?}")))?;
         out.push(t.elapsed() / TIMED as u32);
+        one_shot.check_status().map_err(|e| e.to_string())?;
     }
     Ok(out)
 }
@@ -352,6 +353,9 @@ pub fn one_shot_selftest(ranks: usize, calls: usize, seed: u64) -> Result<String
                             .stream
                             .clone_dtoh(&buf)
                             .map_err(|e| fail(format!("download: {e:?}")))?;
+                        one_shot
+                            .check_status()
+                            .map_err(|e| format!("call {call}: {e}"))?;
                         for (i, g) in got.iter().enumerate() {
                             let sum = (0..ranks).fold(0f32, |s, r| s + value(r, call, i).to_f32());
                             if g.to_bits() != bf16::from_f32(sum).to_bits() {
