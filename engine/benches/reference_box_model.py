@@ -79,7 +79,7 @@ def shared_bytes_per_gpu(split_lm_head):
     params += moe_layers * SHARED_EXPERTS * 3 * HIDDEN * MOE_INTER / GPUS
     params += moe_layers * HIDDEN * EXPERTS  # the router, whole on every rank
     params += DENSE_LAYERS * 3 * HIDDEN * DENSE_INTER / GPUS
-    # kiln keeps the LM head whole on every rank (ranks agree on logits without a gather).
+    # Split by vocabulary (kiln since 2026-12-07: each rank its slice of the logits, then a gather).
     params += VOCAB * HIDDEN / (GPUS if split_lm_head else 1)
     return params * BF16
 
@@ -168,23 +168,23 @@ def step(c, context, accept, spec, v):
 
 VARIANTS = {
     "kiln as built": {
-        # Expert-parallel experts (the default --moe-split), the LM head and the EAGLE-3 head whole.
+        # Expert-parallel experts (the default --moe-split), the LM head split by vocabulary, the
+        # EAGLE-3 head whole on rank 0.
         "expert_parallel": lambda tokens: True,
-        "split_lm_head": False,
+        "split_lm_head": True,
         "one_shot": True,
         "bubble": False,
         "split_draft": False,
     },
     "kiln as built, --moe-split columns": {
         "expert_parallel": lambda tokens: False,
-        "split_lm_head": False,
+        "split_lm_head": True,
         "one_shot": True,
         "bubble": False,
         "split_draft": False,
     },
     "kiln, gaps closed": {
-        # Experts split by columns (`--moe-split columns`, built); a vocabulary-split LM head and
-        # the draft head split too (not built).
+        # Experts split by columns (`--moe-split columns`) and the draft head split too (not built).
         "expert_parallel": lambda tokens: False,
         "split_lm_head": True,
         "one_shot": True,
