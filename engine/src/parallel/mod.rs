@@ -35,6 +35,8 @@ pub enum CommError {
     },
     #[error("tensor-parallel rank {rank}'s device collective failed: {what}")]
     Device { rank: usize, what: String },
+    #[error("the tensor-parallel group is down: {0}")]
+    GroupDown(String),
     #[error("rank {rank} passed {got} values to a collective the others called with {expected}")]
     LengthMismatch {
         rank: usize,

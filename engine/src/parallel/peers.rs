@@ -260,9 +260,12 @@ impl TpPeers {
         })
     }
 
-    /// One report from every peer; the first failure (a peer's own, over echoes of it) wins.
+    /// One report from every peer, all of them read (a report left behind would be taken for
+    /// the next phase's); the first failure (a peer's own, over echoes of it) wins.
     fn wait_for_each(&self) -> Result<()> {
-        let errors = (0..self.jobs.len()).filter_map(|_| self.next_report().err());
+        let errors: Vec<Error> = (0..self.jobs.len())
+            .filter_map(|_| self.next_report().err())
+            .collect();
         match cause(errors) {
             Some(e) => Err(e),
             None => Ok(()),
@@ -377,7 +380,11 @@ impl TpGroup {
         batch: &ForwardBatch<'_>,
         rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
     ) -> Result<Vec<f32>> {
-        self.peers.submit(batch)?;
+        if let Err(e) = self.peers.submit(batch) {
+            // The peers that got the step must not wait out the deadline for rank 0.
+            self.comm.abort();
+            return Err(e);
+        }
         let mine = rank0(self.rank0_comm());
         if mine.is_err() {
             self.comm.abort();
@@ -385,8 +392,18 @@ impl TpGroup {
         let peers = self.peers.collect();
         match (mine, peers) {
             (Ok(logits), Ok(())) => Ok(logits),
-            (mine, peers) => Err(cause(mine.err().into_iter().chain(peers.err()))
-                .unwrap_or(Error::Parallel(CommError::PeerFailed { rank: 0 }))),
+            (mine, peers) => {
+                let e = cause(mine.err().into_iter().chain(peers.err()))
+                    .unwrap_or(Error::Parallel(CommError::PeerFailed { rank: 0 }));
+                // Whatever failed, the group is down: say so in the type the engine exits on
+                // (its service manager restarts the whole server).
+                self.comm.abort();
+                Err(if e.backend_lost() {
+                    e
+                } else {
+                    Error::Parallel(CommError::GroupDown(e.to_string()))
+                })
+            }
         }
     }
 }

@@ -50,11 +50,13 @@ impl Watchdog {
             .spawn(move || {
                 setup();
                 if let Some(e) = watch(&health, &rx) {
-                    abort();
+                    // The verdict first: aborting ends the stuck kernels, and a step that ends
+                    // in that moment must already see why (not return what they left behind).
                     if !matches!(e, CommError::PeerFailed { .. }) {
                         health.fail();
                     }
                     *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    abort();
                 }
                 // Drain until the rank drops its sender: later items are moot.
                 while rx.recv().is_ok() {}

@@ -16,8 +16,7 @@
 //! ([`OneShotGpu`]), the size `kiln lock` measured it to win at.
 
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys};
@@ -68,35 +67,46 @@ impl ConfigV217 {
     }
 }
 
-/// The raw communicator, shared with the watchdog thread (which may abort it).
+/// The raw communicator, shared with the watchdog thread (which may abort it). Every use holds
+/// the lock, so an abort (which frees the communicator) never races a call on it: after it, the
+/// handle is `None` and every use fails.
 struct Handle {
-    comm: sys::ncclComm_t,
-    /// Set once `ncclCommAbort` ran: the handle is gone.
-    aborted: AtomicBool,
+    comm: Mutex<Option<CommPtr>>,
 }
 
-// SAFETY: an NCCL communicator may be used from any thread, one call at a time; kiln's rank
-// thread makes every call but `ncclCommGetAsyncError` and `ncclCommAbort`, which NCCL allows from
-// a watchdog thread (its documented way to stop a hung collective).
-unsafe impl Send for Handle {}
-unsafe impl Sync for Handle {}
+/// `ncclComm_t` as something a mutex may hold across threads.
+struct CommPtr(sys::ncclComm_t);
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time; the mutex around
+// it makes every call, the watchdog's `ncclCommGetAsyncError` and `ncclCommAbort` included, one
+// at a time.
+unsafe impl Send for CommPtr {}
 
 impl Handle {
+    /// Runs `f` on the live communicator; None once it was aborted.
+    fn with<R>(&self, f: impl FnOnce(sys::ncclComm_t) -> R) -> Option<R> {
+        let guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        guard.as_ref().map(|c| f(c.0))
+    }
+
     /// Where the communicator's last call stands (`ncclInProgress` while a non-blocking call is
     /// still being set up or enqueued).
     fn async_state(&self) -> Progress {
-        if self.aborted.load(Ordering::Acquire) {
-            return Progress::Failed("the NCCL communicator was aborted".into());
-        }
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: the communicator is live (not aborted) and `state` outlives the call.
-        let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
-        match (r, state) {
-            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => Progress::Done,
-            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => {
+        let polled = self.with(|comm| {
+            let mut state = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: the communicator is live (the lock is held) and `state` outlives the call.
+            let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
+            (r, state)
+        });
+        match polled {
+            None => Progress::Failed("the NCCL communicator was aborted".into()),
+            Some((sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess)) => {
+                Progress::Done
+            }
+            Some((sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress)) => {
                 Progress::Pending
             }
-            (sys::ncclResult_t::ncclSuccess, failed) | (failed, _) => {
+            Some((sys::ncclResult_t::ncclSuccess, failed)) | Some((failed, _)) => {
                 Progress::Failed(describe(failed))
             }
         }
@@ -104,9 +114,10 @@ impl Handle {
 
     /// Aborts the communicator once: its pending work ends and the GPU is released.
     fn abort(&self) {
-        if !self.aborted.swap(true, Ordering::AcqRel) {
-            // SAFETY: the handle is live and aborted only here, once.
-            let _ = unsafe { result::comm_abort(self.comm) };
+        let mut guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = guard.take() {
+            // SAFETY: the handle was live, and no other use can start (the lock is held).
+            let _ = unsafe { result::comm_abort(c.0) };
         }
     }
 }
@@ -199,8 +210,7 @@ impl NcclComm {
             return Err(device(format!("ncclCommInitRankConfig: {}", describe(e.0))));
         }
         let handle = Arc::new(Handle {
-            comm,
-            aborted: AtomicBool::new(false),
+            comm: Mutex::new(Some(CommPtr(comm))),
         });
         let mut nccl = NcclComm {
             handle: handle.clone(),
@@ -271,28 +281,35 @@ impl NcclComm {
         };
         {
             let (ptr, _record) = data.device_ptr_mut(&stream);
-            // SAFETY: `ptr` holds at least `n` values of `dtype` on this communicator's device,
-            // in place (send and receive buffers may alias); the stream is the buffer's.
-            let enqueued = unsafe {
-                result::all_reduce(
-                    ptr as *const c_void,
-                    ptr as *mut c_void,
-                    n,
-                    dtype,
-                    sys::ncclRedOp_t::ncclSum,
-                    self.handle.comm,
-                    stream.cu_stream() as sys::cudaStream_t,
-                )
-            };
+            let enqueued = self.handle.with(|comm| {
+                // SAFETY: `ptr` holds at least `n` values of `dtype` on this communicator's
+                // device, in place (send and receive buffers may alias); the stream is the
+                // buffer's; the communicator is live while the lock is held.
+                unsafe {
+                    result::all_reduce(
+                        ptr as *const c_void,
+                        ptr as *mut c_void,
+                        n,
+                        dtype,
+                        sys::ncclRedOp_t::ncclSum,
+                        comm,
+                        stream.cu_stream() as sys::cudaStream_t,
+                    )
+                }
+            });
             match enqueued {
-                Ok(result::NcclStatus::InProgress) => {
+                None => {
+                    self.health.fail();
+                    return Err(device("the NCCL communicator was aborted".into()));
+                }
+                Some(Ok(result::NcclStatus::InProgress)) => {
                     // Still being enqueued (non-blocking communicators may say so): nothing else
                     // may go to NCCL until it is.
                     let h = &self.handle;
                     await_collective(&self.health, || h.async_state(), || h.abort())?;
                 }
-                Ok(_) => {}
-                Err(e) => {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
                     self.abort_comm();
                     self.health.fail();
                     return Err(device(format!("ncclAllReduce: {}", describe(e.0))));

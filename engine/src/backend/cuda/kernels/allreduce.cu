@@ -9,7 +9,8 @@
 //      rank's flag there with a release store;
 //   3. thread s < world spins (acquire loads) until sender s's flag in its own inbox reaches
 //      `call`, or `deadline` clock cycles pass: then it writes 1 + s to `status` and the launch
-//      ends without an output (the host aborts the group);
+//      ends without an output (the host fails the group at the step's end); every later launch
+//      on this rank sees the status and returns at once;
 //   4. sums the slots in rank order in f32, so every rank writes bit-identical bf16 values.
 // The parity of `call` is the closing barrier: set `call & 1` is rewritten only by call + 2,
 // which no rank can push before every rank has finished reading this call.
@@ -26,8 +27,13 @@ __device__ __forceinline__ u64 load_acquire_sys(const u64* p) {
 
 extern "C" __global__ void kiln_oneshot_allreduce_bf16(
     const u64* __restrict__ inboxes,  // [world] device addresses of every rank's inbox
-    int world, int rank, long capacity, const bf16* __restrict__ x, long n, u64 call,
-    long long deadline, bf16* __restrict__ out, int* __restrict__ status) {
+    int world, int rank, long capacity, const bf16* x, long n, u64 call,
+    long long deadline, bf16* out, int* __restrict__ status) {
+    // `x` and `out` may be one buffer (the host sums in place): every read of `x` happens before
+    // the block's barrier, every write of `out` after it, so neither is `__restrict__`.
+    // A launch before this one gave up on a peer: the group is down, and the launches queued
+    // behind it end at once instead of each waiting out its own deadline.
+    if (*(volatile const int*)status != 0) return;
     const long set = (long)(call & 1);
     const long flags_at = 2L * world * capacity;  // in bf16 values: the flags follow the slots
     for (int dst = 0; dst < world; dst++) {
