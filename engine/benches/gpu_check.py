@@ -144,6 +144,20 @@ class Server:
         self.log.close()
 
 
+def served_greedy(a, d, prompt, n, log_name):
+    """kiln serve --device a.device on model dir d: n greedy tokens after prompt through
+    /v1/completions, as (token ids, their logprobs)."""
+    server = Server(a.kiln, d, a.device, log_path=a.out / f"serve-{log_name}.log")
+    try:
+        r = server.post("/v1/completions", {"model": server.get("/v1/models")["data"][0]["id"],
+                                             "prompt": prompt, "max_tokens": n,
+                                             "temperature": 0, "logprobs": 1, "ignore_eos": True})
+    finally:
+        server.close()
+    lp = r["choices"][0]["logprobs"]
+    return token_ids(lp["tokens"]), lp["token_logprobs"]
+
+
 def token_ids(pieces):
     out = []
     for p in pieces:
@@ -168,16 +182,7 @@ def parity_case(name, cfg, a, root):
                              return_dict_in_generate=True)
     want = out.sequences[0, PROMPT_LEN:].tolist()
     logits = [l[0].float() for l in out.logits]
-    server = Server(a.kiln, d, a.device, log_path=a.out / f"serve-{name}.log")
-    try:
-        r = server.post("/v1/completions", {"model": server.get("/v1/models")["data"][0]["id"],
-                                             "prompt": prompt, "max_tokens": NEW_TOKENS,
-                                             "temperature": 0, "logprobs": 1, "ignore_eos": True})
-    finally:
-        server.close()
-    lp = r["choices"][0]["logprobs"]
-    got = token_ids(lp["tokens"])
-    kiln_lp = lp["token_logprobs"]
+    got, kiln_lp = served_greedy(a, d, prompt, NEW_TOKENS, name)
     parted, verdict, worst = None, "equal", 0.0
     for i, (w, k) in enumerate(zip(want, got)):
         ref_lp = torch.log_softmax(logits[i], -1)
@@ -222,19 +227,11 @@ def deepseek_parity_case(m, a, root):
     shutil.copytree(FIXTURES / m["dir"], d)
     tokenizer(d, 512)
     prompt, want, margins = m["prompt_ids"], m["greedy_ids"], m["margins"]
-    server = Server(a.kiln, d, a.device, log_path=a.out / f"serve-deepseek-{name}.log")
-    try:
-        r = server.post("/v1/completions", {"model": server.get("/v1/models")["data"][0]["id"],
-                                             "prompt": prompt, "max_tokens": len(want),
-                                             "temperature": 0, "logprobs": 1, "ignore_eos": True})
-    finally:
-        server.close()
-    lp = r["choices"][0]["logprobs"]
-    got = token_ids(lp["tokens"])
+    got, kiln_lp = served_greedy(a, d, prompt, len(want), f"deepseek-{name}")
     last = m["last_logits"]
     top = max(last)
     log_z = top + math.log(sum(math.exp(x - top) for x in last))
-    first_error = abs((last[got[0]] - log_z) - lp["token_logprobs"][0]) if got and got[0] >= 0 else float("inf")
+    first_error = abs((last[got[0]] - log_z) - kiln_lp[0]) if got and got[0] >= 0 else float("inf")
     verdict = "equal"
     for i, (w, k) in enumerate(zip(want, got)):
         if w != k:
