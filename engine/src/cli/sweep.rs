@@ -105,6 +105,26 @@ fn read(path: &Path) -> anyhow::Result<(BenchSettings, Vec<Prompt>, Vec<Named>)>
     Ok((bench, prompts, named))
 }
 
+/// The one-shot crossover over the first `ranks` GPUs (a config with fewer ranks than the box has
+/// GPUs: the crossover moves with the rank count); 0 when either sweep fails, said on stderr.
+fn measured_crossover(ranks: usize) -> u64 {
+    let sweeps = super::doctor::measure_allreduce(ranks)
+        .and_then(|nccl| Ok((nccl, super::doctor::measure_one_shot(ranks)?)));
+    match sweeps {
+        Ok((nccl, one_shot)) => {
+            eprint!(
+                "NCCL against the one-shot kernel over {ranks} GPUs\n{}",
+                kiln::doctor::allreduce::render_choice(&nccl, &one_shot)
+            );
+            kiln::doctor::allreduce::one_shot_max_bytes(&nccl, &one_shot)
+        }
+        Err(e) => {
+            eprintln!("kiln: no all-reduce sweeps over {ranks} GPUs, NCCL only there: {e}");
+            0
+        }
+    }
+}
+
 fn free_port() -> anyhow::Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(l.local_addr()?.port())
@@ -198,21 +218,35 @@ pub fn run(a: SweepArgs) -> anyhow::Result<()> {
         }
     }
     // Every config runs (and its evidence, and so the lock, records) the all-reduce this machine
-    // measured faster per size, unless the sweep file chose one itself.
-    let chosen_one_shot =
-        kiln::doctor::allreduce::one_shot_max_bytes(&fingerprint.allreduce, &fingerprint.one_shot);
-    let configs: Vec<Named> = configs
-        .into_iter()
-        .map(|mut c| {
-            if !c.sets_one_shot {
-                c.effective.insert(
-                    ONE_SHOT_KEY.into(),
-                    toml::Value::Integer(chosen_one_shot.min(i64::MAX as u64) as i64),
-                );
-            }
-            c
-        })
-        .collect();
+    // measured faster per size at its own rank count, unless the sweep file chose one itself.
+    let gpus = fingerprint.gpus.len();
+    let mut crossover: std::collections::BTreeMap<usize, u64> = std::collections::BTreeMap::new();
+    crossover.insert(
+        gpus,
+        kiln::doctor::allreduce::one_shot_max_bytes(&fingerprint.allreduce, &fingerprint.one_shot),
+    );
+    let mut configs = configs;
+    for c in &mut configs {
+        if c.sets_one_shot {
+            continue;
+        }
+        let ranks = c
+            .effective
+            .get("tensor-parallel-size")
+            .and_then(|v| v.as_integer())
+            .map_or(1, |n| n.max(1) as usize);
+        let max = if ranks < 2 || ranks > gpus {
+            0
+        } else {
+            *crossover
+                .entry(ranks)
+                .or_insert_with(|| measured_crossover(ranks))
+        };
+        c.effective.insert(
+            ONE_SHOT_KEY.into(),
+            toml::Value::Integer(max.min(i64::MAX as u64) as i64),
+        );
+    }
     let mut done = Vec::new();
     for c in &configs {
         let port = free_port()?;
