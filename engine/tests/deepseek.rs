@@ -323,6 +323,33 @@ fn tp_greedy_split(
     greedy(path, opts, prompt, n).unwrap_or_else(|e| panic!("{name}, TP={world}: {e}"))
 }
 
+/// Greedy over `world` ranks with the experts split as `moe`: the whole model's tokens (which the
+/// caller checked against transformers') and its logits within 1e-4 at every step. Returns the
+/// run for further checks.
+fn split_matches(
+    path: &std::path::Path,
+    world: usize,
+    moe: MoeSplit,
+    prompt: &[u32],
+    whole: &GreedyRun,
+    name: &str,
+) -> GreedyRun {
+    let n = whole.tokens.len();
+    let split = tp_greedy_split(path, world, moe, prompt, n, name);
+    assert_eq!(
+        split.tokens, whole.tokens,
+        "{name}: {moe:?} TP={world} vs TP=1"
+    );
+    for (a, b) in split.logits.iter().zip(&whole.logits) {
+        let e = common::rel_err(a, b);
+        assert!(
+            e < 1e-4,
+            "{name}: {moe:?} TP={world} logits differ by {e:e}"
+        );
+    }
+    split
+}
+
 #[test]
 fn heads_and_experts_split_over_2_and_4_ranks_match_the_whole_model() {
     for case in models() {
@@ -334,12 +361,7 @@ fn heads_and_experts_split_over_2_and_4_ranks_match_the_whole_model() {
         let whole = run(1);
         assert_eq!(whole.tokens, reference, "{name}: TP=1 vs transformers");
         for world in [2, 4] {
-            let split = run(world);
-            assert_eq!(split.tokens, whole.tokens, "{name}: TP={world} vs TP=1");
-            for (a, b) in split.logits.iter().zip(&whole.logits) {
-                let e = common::rel_err(a, b);
-                assert!(e < 1e-4, "{name}: TP={world} logits differ by {e:e}");
-            }
+            split_matches(&path, world, MoeSplit::Experts, &prompt, &whole, name);
         }
     }
 }
@@ -361,20 +383,12 @@ fn eight_head_models_split_over_2_4_and_8_ranks_match_the_whole_model_and_transf
         let whole = run(1);
         assert_eq!(whole.tokens, reference, "{name}: TP=1 vs transformers");
         for world in [2, 4, 8] {
-            let split = run(world);
-            assert_eq!(
-                split.tokens, reference,
-                "{name}: TP={world} vs transformers"
-            );
+            let split = split_matches(&path, world, MoeSplit::Experts, &prompt, &whole, name);
             let e = common::rel_err(&split.logits[0], &last);
             assert!(
                 e < 1e-4,
                 "{name}: TP={world} prompt logits vs transformers: {e:e}"
             );
-            for (a, b) in split.logits.iter().zip(&whole.logits) {
-                let e = common::rel_err(a, b);
-                assert!(e < 1e-4, "{name}: TP={world} logits differ by {e:e}");
-            }
         }
     }
 }
@@ -401,26 +415,9 @@ fn experts_split_by_columns_match_the_whole_model_and_transformers() {
         let prompt = ids(case, "prompt_ids");
         let reference = ids(case, "greedy_ids");
         let whole = tp_greedy(&path, 1, &prompt, reference.len(), name);
+        assert_eq!(whole.tokens, reference, "{name}: TP=1 vs transformers");
         for &world in worlds {
-            let split = tp_greedy_split(
-                &path,
-                world,
-                MoeSplit::Columns,
-                &prompt,
-                reference.len(),
-                name,
-            );
-            assert_eq!(
-                split.tokens, reference,
-                "{name}: columns TP={world} vs transformers"
-            );
-            for (a, b) in split.logits.iter().zip(&whole.logits) {
-                let e = common::rel_err(a, b);
-                assert!(
-                    e < 1e-4,
-                    "{name}: columns TP={world} logits differ by {e:e}"
-                );
-            }
+            split_matches(&path, world, MoeSplit::Columns, &prompt, &whole, name);
         }
     }
 }

@@ -51,6 +51,23 @@ impl AllReducePoint {
     }
 }
 
+/// A sweep's points from every rank's mean time per call at each of `sizes`: a collective is as
+/// slow as its slowest rank.
+pub fn slowest_of(sizes: &[u64], per_rank: &[Vec<Duration>], ranks: usize) -> Vec<AllReducePoint> {
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &bytes)| {
+            let slowest = per_rank
+                .iter()
+                .filter_map(|t| t.get(i).copied())
+                .max()
+                .unwrap_or_default();
+            AllReducePoint::measured(bytes, slowest, ranks)
+        })
+        .collect()
+}
+
 /// `4 KiB`, `1 MiB`, ...
 pub fn size_label(bytes: u64) -> String {
     if bytes >= 1 << 20 {
@@ -209,6 +226,15 @@ pub fn compare(now: &[AllReducePoint], locked: &[AllReducePoint]) -> Check {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sweep_point_is_its_slowest_rank() {
+        let us = Duration::from_micros;
+        let per_rank = [vec![us(10), us(50)], vec![us(30), us(40)]];
+        let p = slowest_of(&[4096, 65536], &per_rank, 2);
+        assert_eq!(p[0].latency_ns, 30_000);
+        assert_eq!(p[1].latency_ns, 50_000);
+    }
 
     #[test]
     fn bus_bandwidth_follows_nccl_tests() {

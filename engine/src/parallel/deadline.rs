@@ -19,49 +19,71 @@ pub enum Progress {
     Failed(String),
 }
 
-/// How long the loop spins before it starts sleeping between polls: a healthy small all-reduce
-/// ends within tens of microseconds, and a sleep would cost more than the collective.
+/// How long an eager wait spins before it starts sleeping between polls: a healthy small
+/// all-reduce ends within tens of microseconds, and a sleep would cost more than the collective.
 const SPIN: Duration = Duration::from_millis(2);
 const NAP: Duration = Duration::from_micros(100);
 
-/// Polls until the collective is done. A peer's failure, the collective's own error or the
-/// group's timeout runs `abort` (which must make the device give the collective up), fails the
-/// group in this rank's name unless a peer already has, and returns the matching error.
-pub fn await_collective(
+/// How a wait passes the time between polls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pace {
+    /// Yield for the first [`SPIN`], then nap: the caller's thread is waiting for the result.
+    Eager,
+    /// Nap from the start: a background watcher, which must not burn a core.
+    Patient,
+}
+
+/// Polls until `poll` is done; otherwise says why it never will be: its own failure, a peer's
+/// failure, or the group's timeout counted from `start` (when it could first run). No side
+/// effects: the caller decides what to abort and whom to tell.
+pub fn wait_for(
     health: &GroupHealth,
+    start: Instant,
+    pace: Pace,
     mut poll: impl FnMut() -> Progress,
-    abort: impl FnOnce(),
 ) -> Result<(), CommError> {
     let timeout = health.timeout();
-    let start = Instant::now();
     loop {
-        let failure = match poll() {
+        match poll() {
             Progress::Done => return Ok(()),
-            Progress::Failed(what) => CommError::Device {
-                rank: health.rank(),
-                what,
-            },
-            Progress::Pending => match health.failed() {
-                Some(rank) => CommError::PeerFailed { rank },
-                None if start.elapsed() >= timeout => CommError::Timeout {
-                    waited: timeout,
-                    // A device collective cannot say which rank is late: every other one may be.
-                    missing: Vec::new(),
-                },
-                None => {
-                    if start.elapsed() < SPIN {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(NAP);
-                    }
-                    continue;
-                }
-            },
-        };
-        abort();
-        health.fail();
-        return Err(failure);
+            Progress::Failed(what) => {
+                return Err(CommError::Device {
+                    rank: health.rank(),
+                    what,
+                });
+            }
+            Progress::Pending => {}
+        }
+        if let Some(rank) = health.failed() {
+            return Err(CommError::PeerFailed { rank });
+        }
+        if start.elapsed() >= timeout {
+            return Err(CommError::Timeout {
+                waited: timeout,
+                // A device collective cannot say which rank is late: every other one may be.
+                missing: Vec::new(),
+            });
+        }
+        if pace == Pace::Eager && start.elapsed() < SPIN {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(NAP);
+        }
     }
+}
+
+/// Polls until the collective is done. A peer's failure, the collective's own error or the
+/// group's timeout fails the group in this rank's name unless a peer already has, then runs
+/// `abort` (which must make the device give the collective up), and returns the matching error.
+pub fn await_collective(
+    health: &GroupHealth,
+    poll: impl FnMut() -> Progress,
+    abort: impl FnOnce(),
+) -> Result<(), CommError> {
+    wait_for(health, Instant::now(), Pace::Eager, poll).inspect_err(|_| {
+        health.fail();
+        abort();
+    })
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::deadline::{Pace, wait_for};
 use super::{CommError, GroupHealth, Progress};
 
 /// Something enqueued on the device whose end can be polled (an event after a collective).
@@ -24,9 +25,8 @@ struct Watched {
     enqueued: Instant,
 }
 
-/// How often an idle watchdog looks at the group, and how long a busy one naps between polls.
+/// How often an idle watchdog looks at the group.
 const IDLE_LOOK: Duration = Duration::from_millis(50);
-const NAP: Duration = Duration::from_micros(50);
 
 pub struct Watchdog {
     tx: Option<Sender<Watched>>,
@@ -104,7 +104,6 @@ impl Drop for Watchdog {
 
 /// The watch loop: returns the first failure, or None when the rank hung up.
 fn watch(health: &GroupHealth, rx: &Receiver<Watched>) -> Option<CommError> {
-    let timeout = health.timeout();
     let mut previous_end = Instant::now();
     loop {
         let w = match rx.recv_timeout(IDLE_LOOK) {
@@ -119,27 +118,8 @@ fn watch(health: &GroupHealth, rx: &Receiver<Watched>) -> Option<CommError> {
         };
         // It could not start before the previous one ended.
         let start = w.enqueued.max(previous_end);
-        loop {
-            match w.item.poll() {
-                Progress::Done => break,
-                Progress::Failed(what) => {
-                    return Some(CommError::Device {
-                        rank: health.rank(),
-                        what,
-                    });
-                }
-                Progress::Pending => {}
-            }
-            if let Some(rank) = health.failed() {
-                return Some(CommError::PeerFailed { rank });
-            }
-            if start.elapsed() >= timeout {
-                return Some(CommError::Timeout {
-                    waited: timeout,
-                    missing: Vec::new(),
-                });
-            }
-            std::thread::sleep(NAP);
+        if let Err(e) = wait_for(health, start, Pace::Patient, || w.item.poll()) {
+            return Some(e);
         }
         previous_end = Instant::now();
     }

@@ -18,7 +18,7 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result, sys};
 use half::bf16;
 
@@ -263,10 +263,6 @@ impl NcclComm {
         n: usize,
         dtype: sys::ncclDataType_t,
     ) -> Result<(), CommError> {
-        if let Some(rank) = self.health.failed() {
-            self.abort_comm();
-            return Err(CommError::PeerFailed { rank });
-        }
         if n > data.len() {
             return Err(CommError::LengthMismatch {
                 rank: self.rank,
@@ -275,48 +271,64 @@ impl NcclComm {
             });
         }
         let stream = self.stream.clone();
+        let (ptr, _record) = data.device_ptr_mut(&stream);
+        self.enqueue("ncclAllReduce", |comm, s| {
+            // SAFETY: `ptr` holds at least `n` values of `dtype` on this communicator's device,
+            // in place (send and receive buffers may alias); the stream is the buffer's.
+            unsafe {
+                result::all_reduce(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    n,
+                    dtype,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    s,
+                )
+            }
+        })
+    }
+
+    /// Enqueues one NCCL collective (`call`, handed the live communicator and the stream) and
+    /// hands it to the watchdog. Fails at once when the group is down or NCCL refuses it.
+    fn enqueue(
+        &self,
+        what: &str,
+        call: impl FnOnce(
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+        ) -> Result<result::NcclStatus, result::NcclError>,
+    ) -> Result<(), CommError> {
+        if let Some(rank) = self.health.failed() {
+            self.abort_comm();
+            return Err(CommError::PeerFailed { rank });
+        }
         let device = |what: String| CommError::Device {
             rank: self.rank,
             what,
         };
-        {
-            let (ptr, _record) = data.device_ptr_mut(&stream);
-            let enqueued = self.handle.with(|comm| {
-                // SAFETY: `ptr` holds at least `n` values of `dtype` on this communicator's
-                // device, in place (send and receive buffers may alias); the stream is the
-                // buffer's; the communicator is live while the lock is held.
-                unsafe {
-                    result::all_reduce(
-                        ptr as *const c_void,
-                        ptr as *mut c_void,
-                        n,
-                        dtype,
-                        sys::ncclRedOp_t::ncclSum,
-                        comm,
-                        stream.cu_stream() as sys::cudaStream_t,
-                    )
-                }
-            });
-            match enqueued {
-                None => {
-                    self.health.fail();
-                    return Err(device("the NCCL communicator was aborted".into()));
-                }
-                Some(Ok(result::NcclStatus::InProgress)) => {
-                    // Still being enqueued (non-blocking communicators may say so): nothing else
-                    // may go to NCCL until it is.
-                    let h = &self.handle;
-                    await_collective(&self.health, || h.async_state(), || h.abort())?;
-                }
-                Some(Ok(_)) => {}
-                Some(Err(e)) => {
-                    self.abort_comm();
-                    self.health.fail();
-                    return Err(device(format!("ncclAllReduce: {}", describe(e.0))));
-                }
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        // The communicator is live while `with` holds its lock.
+        match self.handle.with(|comm| call(comm, stream)) {
+            None => {
+                self.health.fail();
+                return Err(device("the NCCL communicator was aborted".into()));
+            }
+            Some(Ok(result::NcclStatus::InProgress)) => {
+                // Still being enqueued (non-blocking communicators may say so): nothing else may
+                // go to NCCL until it is.
+                let h = &self.handle;
+                await_collective(&self.health, || h.async_state(), || h.abort())?;
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                self.abort_comm();
+                self.health.fail();
+                return Err(device(format!("{what}: {}", describe(e.0))));
             }
         }
-        let done = stream
+        let done = self
+            .stream
             .record_event(None)
             .map_err(|e| device(format!("recording an event: {e:?}")))?;
         if let Some(w) = &self.watchdog {
@@ -328,37 +340,49 @@ impl NcclComm {
         Ok(())
     }
 
-    /// What the step's collectives came to: the watchdog's verdict, a peer's failure, the
-    /// one-shot kernel's status.
-    fn step_outcome(&self) -> Result<(), CommError> {
+    /// What NCCL's collectives came to: the watchdog's verdict, a peer's failure.
+    fn nccl_outcome(&self) -> Result<(), CommError> {
         if let Some(w) = &self.watchdog {
             w.outcome()?;
         }
-        if let Some(rank) = self.health.failed() {
-            return Err(CommError::PeerFailed { rank });
+        match self.health.failed() {
+            Some(rank) => Err(CommError::PeerFailed { rank }),
+            None => Ok(()),
         }
+    }
+
+    /// What the step's collectives came to: NCCL's, and the one-shot kernel's status.
+    fn step_outcome(&self) -> Result<(), CommError> {
+        self.nccl_outcome()?;
         match &self.one_shot {
             Some(o) => o.check_status(),
             None => Ok(()),
         }
     }
 
-    /// A host slice's sum, through a device copy (f32: the host communicator's contract).
-    fn all_reduce_host(&self, data: &mut [f32]) -> Result<(), CommError> {
-        let device = |what: String| CommError::Device {
-            rank: self.rank,
-            what,
-        };
-        let mut on_device = self
-            .stream
-            .clone_htod(data)
-            .map_err(|e| device(format!("copying to the device: {e:?}")))?;
-        let n = data.len();
-        self.all_reduce_raw(&mut on_device, n, sys::ncclDataType_t::ncclFloat32)?;
+    fn to_device(&self, values: &[f32]) -> Result<CudaSlice<f32>, CommError> {
         self.stream
-            .memcpy_dtoh(&on_device, data)
-            .map_err(|e| device(format!("copying to the host: {e:?}")))?;
-        self.step_outcome()
+            .clone_htod(values)
+            .map_err(|e| CommError::Device {
+                rank: self.rank,
+                what: format!("copying to the device: {e:?}"),
+            })
+    }
+
+    /// Waits for the stream and brings `on_device` back into `out`; then whether NCCL's
+    /// collectives went well (the copy waited for them).
+    fn to_host_checked(
+        &self,
+        on_device: &CudaSlice<f32>,
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        self.stream
+            .memcpy_dtoh(on_device, out)
+            .map_err(|e| CommError::Device {
+                rank: self.rank,
+                what: format!("copying to the host: {e:?}"),
+            })?;
+        self.nccl_outcome()
     }
 }
 
@@ -371,22 +395,52 @@ impl Communicator for NcclComm {
         self.world
     }
 
+    /// A host slice's sum, through a device copy (f32: the host communicator's contract).
     fn all_reduce_sum(&self, data: &mut [f32]) -> Result<(), CommError> {
-        self.all_reduce_host(data)
+        let mut on_device = self.to_device(data)?;
+        self.all_reduce_raw(&mut on_device, data.len(), sys::ncclDataType_t::ncclFloat32)?;
+        self.to_host_checked(&on_device, data)
     }
 
+    /// Host slices gathered through device copies with `ncclAllGather` (the tensor-parallel LM
+    /// head's logits, once a step).
     fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), CommError> {
-        // Each rank's values in its own slot, zeros elsewhere: the sum is the concatenation.
-        if out.len() != local.len() * self.world {
+        let n = local.len();
+        if out.len() != n * self.world {
             return Err(CommError::LengthMismatch {
                 rank: self.rank,
-                expected: local.len() * self.world,
+                expected: n * self.world,
                 got: out.len(),
             });
         }
-        out.fill(0.0);
-        out[self.rank * local.len()..(self.rank + 1) * local.len()].copy_from_slice(local);
-        self.all_reduce_host(out)
+        let send = self.to_device(local)?;
+        let mut recv =
+            self.stream
+                .alloc_zeros::<f32>(out.len())
+                .map_err(|e| CommError::Device {
+                    rank: self.rank,
+                    what: format!("allocating the gather buffer: {e:?}"),
+                })?;
+        {
+            let stream = self.stream.clone();
+            let (from, _read) = send.device_ptr(&stream);
+            let (to, _write) = recv.device_ptr_mut(&stream);
+            self.enqueue("ncclAllGather", |comm, s| {
+                // SAFETY: `from` holds `n` f32 values and `to` world x `n`, both on this
+                // communicator's device; the stream is theirs.
+                unsafe {
+                    result::all_gather(
+                        from as *const c_void,
+                        to as *mut c_void,
+                        n,
+                        sys::ncclDataType_t::ncclFloat32,
+                        comm,
+                        s,
+                    )
+                }
+            })?;
+        }
+        self.to_host_checked(&recv, out)
     }
 
     fn abort(&self) {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaContext;
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
-use crate::doctor::allreduce::{AllReducePoint, SWEEP_BYTES};
+use crate::doctor::allreduce::{AllReducePoint, SWEEP_BYTES, slowest_of};
 
 /// Calls before timing (NCCL sets up its channels and protocols lazily) and timed calls per size.
 const WARMUP: usize = 5;
@@ -67,14 +67,7 @@ pub fn nccl_sweep(ranks: usize, deadline: Duration) -> Result<Vec<AllReducePoint
         }
     }
     let per_rank: Vec<Vec<Duration>> = per_rank.into_iter().flatten().collect();
-    Ok(SWEEP_BYTES
-        .iter()
-        .enumerate()
-        .map(|(i, &bytes)| {
-            let slowest = per_rank.iter().map(|t| t[i]).max().unwrap_or_default();
-            AllReducePoint::measured(bytes, slowest, ranks)
-        })
-        .collect())
+    Ok(slowest_of(&SWEEP_BYTES, &per_rank, ranks))
 }
 
 /// One rank: its context, stream, communicator and buffer; the mean time per call of each size.

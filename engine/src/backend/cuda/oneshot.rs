@@ -23,7 +23,7 @@ use cudarc::driver::{
 use half::bf16;
 
 use super::gpu::Gpu;
-use crate::doctor::allreduce::{AllReducePoint, ONE_SHOT_SWEEP_MAX, SWEEP_BYTES};
+use crate::doctor::allreduce::{AllReducePoint, ONE_SHOT_SWEEP_MAX, SWEEP_BYTES, slowest_of};
 use crate::parallel::{CommError, Communicator, GroupHealth, ThreadComm};
 
 /// Threads of the one block each rank launches: enough to keep a PCIe link busy with stores.
@@ -249,14 +249,7 @@ pub fn one_shot_sweep(ranks: usize, deadline: Duration) -> Result<Vec<AllReduceP
     for (rank, r) in per_rank.into_iter().enumerate() {
         times.push(r.map_err(|e| format!("rank {rank}: {e}"))?);
     }
-    Ok(sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &bytes)| {
-            let slowest = times.iter().map(|t| t[i]).max().unwrap_or_default();
-            AllReducePoint::measured(bytes, slowest, ranks)
-        })
-        .collect())
+    Ok(slowest_of(&sizes, &times, ranks))
 }
 
 /// The visible GPU rank `rank` runs on: its own where there are enough, else shared round-robin
