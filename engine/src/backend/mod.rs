@@ -44,6 +44,25 @@ pub enum KvLayout {
     KeysOnly,
 }
 
+/// Where each head's columns sit in a buffer's rows: head `i` starts at column
+/// `first + i * stride`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadColumns {
+    pub first: usize,
+    pub stride: usize,
+}
+
+impl HeadColumns {
+    pub fn new(first: usize, stride: usize) -> HeadColumns {
+        HeadColumns { first, stride }
+    }
+
+    /// Head `i`'s first column.
+    pub fn of(self, i: usize) -> usize {
+        self.first + i * self.stride
+    }
+}
+
 impl KvLayout {
     /// Rows of cells one cached position takes.
     pub fn rows_per_position(self) -> usize {
@@ -141,6 +160,9 @@ pub trait Backend: Send + Sync {
     type Matrix: Send + Sync;
     /// A small float vector (norm weights, biases).
     type Vector: Send + Sync;
+    /// One matrix per head, all of one shape, each applied to its own head's columns (MLA's
+    /// absorbed `W_UK^T` and `W_UV`): a device backend stacks them for one launch.
+    type HeadMatrices: Send + Sync;
     /// An activation buffer.
     type Buffer: Send;
     /// Key/value storage for every layer, in fixed-size blocks.
@@ -181,6 +203,12 @@ pub trait Backend: Send + Sync {
     fn embedding(&self, parts: &[TensorView], precision: Precision) -> Result<Self::Matrix> {
         self.matrix(parts, precision)
     }
+    /// `heads[i]` is head `i`'s `[rows, cols]` matrix; every head has the same shape.
+    fn head_matrices(
+        &self,
+        heads: &[TensorView],
+        precision: Precision,
+    ) -> Result<Self::HeadMatrices>;
     fn vector(&self, v: &TensorView) -> Result<Self::Vector>;
     fn vector_from_host(&self, values: &[f32]) -> Result<Self::Vector>;
     /// A buffer of `n_rows * width` zeros.
@@ -266,6 +294,36 @@ pub trait Backend: Send + Sync {
         head_dim: usize,
         out: &mut Self::Buffer,
     ) -> Result<()>;
+    /// MLA's absorbed attention: stores this batch's cached rows (`qkv` holds `[q | k | v]` per
+    /// token, `n_heads` query heads and one K row of `head_width`, `[rope | latent]`, in a
+    /// [`KvLayout::KeysOnly`] store), then every query head attends over its sequence's cached
+    /// rows as keys and their latent columns as values. `out` (shaped `[n, n_heads * latent]` by
+    /// the caller) gets each head's weighted latent. The scale is `1 / sqrt(head_width)`, as
+    /// [`Backend::attention`]'s.
+    #[allow(clippy::too_many_arguments)]
+    fn latent_attention(
+        &self,
+        qkv: &Self::Buffer,
+        kv: &mut Self::KvStore,
+        layer: usize,
+        meta: &Self::StepMeta<'_>,
+        n_heads: usize,
+        head_width: usize,
+        rope_dim: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let mut full = self.buffer(0, 0)?;
+        self.attention(qkv, kv, layer, meta, n_heads, 1, head_width, &mut full)?;
+        let latent = head_width - rope_dim;
+        self.copy_head_columns(
+            &full,
+            HeadColumns::new(rope_dim, head_width),
+            out,
+            HeadColumns::new(0, latent),
+            latent,
+            n_heads,
+        )
+    }
     /// Stores the K and V rows of this batch (`qkv` holds `[q (q_width) | k | v]` per token, K
     /// and V as wide as the store's rows) into their slots, without attending: MLA's explicit
     /// prefill attends over decompressed keys but caches the latent.
@@ -299,6 +357,33 @@ pub trait Backend: Send + Sync {
         dst: &mut Self::Buffer,
         dst_col: usize,
         width: usize,
+    ) -> Result<()>;
+    /// [`Backend::copy_columns`] for `count` heads at once: head `i`'s `width` columns at
+    /// `src_cols.of(i)` go to `dst_cols.of(i)` (MLA moves every head's rotary and latent parts).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_head_columns(
+        &self,
+        src: &Self::Buffer,
+        src_cols: HeadColumns,
+        dst: &mut Self::Buffer,
+        dst_cols: HeadColumns,
+        width: usize,
+        count: usize,
+    ) -> Result<()> {
+        for i in 0..count {
+            self.copy_columns(src, src_cols.of(i), dst, dst_cols.of(i), width)?;
+        }
+        Ok(())
+    }
+    /// For each head `i` of `w`: `out[t][out_cols.of(i)..][..rows] = W_i x[t][x_cols.of(i)..][..cols]`
+    /// for every row `t` (`out` has `x`'s rows and keeps its shape).
+    fn matmul_heads(
+        &self,
+        x: &Self::Buffer,
+        x_cols: HeadColumns,
+        w: &Self::HeadMatrices,
+        out: &mut Self::Buffer,
+        out_cols: HeadColumns,
     ) -> Result<()>;
     /// `x[t][col..col + width] *= factor` for every row.
     fn scale_columns(

@@ -7,14 +7,18 @@
 //! into the query (`q_latent = W_UK^T q_nope`), so each head scores `[q_pe | q_latent]` against
 //! the cached `[k_pe | latent]` rows directly, and the up-projection of the values (`W_UV`) is
 //! applied after attention to each head's weighted latent. This is multi-query attention over
-//! the compressed cache, so the backend's ordinary paged attention op computes it (tree masks,
-//! KV moves and all), with the queries pre-scaled to MLA's softmax scale. The model's store is
+//! the compressed cache: the backend's `latent_attention` op computes it (tree masks, KV moves
+//! and all; on the CPU through the paged attention op, on the GPU with a kernel for rows of
+//! 512 + 64), with the queries pre-scaled to MLA's softmax scale. The model's store is
 //! `KvLayout::KeysOnly`: the row is cached once and attention reads its latent part as the
 //! value, (rope + rank) values per token per layer. The V part of `qkv` (`[0 | latent]`) is
-//! still assembled, for a store of K and V rows (tests compare the two).
+//! still assembled, for a store of K and V rows (tests compare the two on the CPU).
+//!
+//! Every per-head step is one backend op over all heads (`matmul_heads`, `copy_head_columns`):
+//! a loop of small ops per head would cost a device backend hundreds of launches per layer.
 
 use super::config::MlaConfig;
-use crate::backend::{Backend, KvLayout, Precision, RopeSpec, SeqSpan};
+use crate::backend::{Backend, HeadColumns, KvLayout, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
 use crate::weights::TensorView;
 
@@ -33,10 +37,12 @@ pub struct MlaWeights<B: Backend> {
     /// `kv_a_proj_with_mqa`: `[latent (rank) | k_pe (rope)]` from the hidden state.
     kv_a: B::Matrix,
     kv_a_norm: B::Vector,
+    /// The rank's query heads.
+    n_heads: usize,
     /// Per local head, `W_UK^T` as a `[rank, nope]` matrix: `q_latent = q_nope W_UK`.
-    uk: Vec<B::Matrix>,
+    uk: B::HeadMatrices,
     /// Per local head, `W_UV` as a `[v_head_dim, rank]` matrix.
-    uv: Vec<B::Matrix>,
+    uv: B::HeadMatrices,
     /// `kv_b_proj` whole (the rank's heads): the explicit form decompresses keys and values.
     kv_b: B::Matrix,
     o: B::Matrix,
@@ -140,15 +146,16 @@ impl<B: Backend> MlaWeights<B> {
             uk_t.name = format!("{}[head {h} W_UK^T]", t.kv_b.name);
             let mut uv_h = t.kv_b.slice(first + nope..first + per_head, 0..r)?;
             uv_h.name = format!("{}[head {h} W_UV]", t.kv_b.name);
-            uk.push(backend.matrix(&[uk_t], precision)?);
-            uv.push(backend.matrix(&[uv_h], precision)?);
+            uk.push(uk_t);
+            uv.push(uv_h);
         }
         Ok(MlaWeights {
             q,
             kv_a: backend.matrix(&[t.kv_a], precision)?,
             kv_a_norm: backend.vector(&t.kv_a_norm)?,
-            uk,
-            uv,
+            n_heads,
+            uk: backend.head_matrices(&uk, precision)?,
+            uv: backend.head_matrices(&uv, precision)?,
             kv_b: backend.matrix(&[t.kv_b], precision)?,
             o: backend.matrix(&[t.o], precision)?,
         })
@@ -174,7 +181,7 @@ impl<B: Backend> MlaWeights<B> {
         out: &mut B::Buffer,
     ) -> Result<()> {
         let n = positions.len();
-        let n_heads = self.uk.len();
+        let n_heads = self.n_heads;
         let (r, p, nope, v) = (
             m.kv_lora_rank,
             m.qk_rope_head_dim,
@@ -228,27 +235,33 @@ impl<B: Backend> MlaWeights<B> {
             backend.matmul(&values, &self.o, out)?;
             return Ok(());
         }
-        let (mut q_nope, mut q_latent) = (backend.buffer(n, nope)?, backend.buffer(0, 0)?);
-        for (i, uk) in self.uk.iter().enumerate() {
-            backend.copy_columns(&q, i * q_head + nope, &mut qkv, i * head, p)?;
-            backend.copy_columns(&q, i * q_head, &mut q_nope, 0, nope)?;
-            backend.matmul(&q_nope, uk, &mut q_latent)?;
-            backend.copy_columns(&q_latent, 0, &mut qkv, i * head + p, r)?;
-        }
+        // Each query head's `[q_pe | W_UK^T q_nope]`, from `q`'s `[q_nope | q_pe]` heads.
+        let q_heads = HeadColumns::new(0, q_head);
+        let qkv_heads = HeadColumns::new(0, head);
+        backend.copy_head_columns(
+            &q,
+            HeadColumns::new(nope, q_head),
+            &mut qkv,
+            qkv_heads,
+            p,
+            n_heads,
+        )?;
+        backend.matmul_heads(&q, q_heads, &self.uk, &mut qkv, HeadColumns::new(p, head))?;
         backend.rope(&mut qkv, 0, n_heads, meta, rope)?;
         // The attention op scales by 1/sqrt(head width); MLA's scale is over the uncompressed
         // query width (and YaRN's mscale).
         backend.scale_columns(&mut qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt())?;
-        let mut attn = backend.buffer(0, 0)?;
-        backend.attention(&qkv, kv, layer, meta, n_heads, 1, head, &mut attn)?;
+        let mut latents = backend.buffer(n, n_heads * r)?;
+        backend.latent_attention(&qkv, kv, layer, meta, n_heads, head, p, &mut latents)?;
 
         let mut values = backend.buffer(n, n_heads * v)?;
-        let (mut head_latent, mut head_value) = (backend.buffer(n, r)?, backend.buffer(0, 0)?);
-        for (i, uv) in self.uv.iter().enumerate() {
-            backend.copy_columns(&attn, i * head + p, &mut head_latent, 0, r)?;
-            backend.matmul(&head_latent, uv, &mut head_value)?;
-            backend.copy_columns(&head_value, 0, &mut values, i * v, v)?;
-        }
+        backend.matmul_heads(
+            &latents,
+            HeadColumns::new(0, r),
+            &self.uv,
+            &mut values,
+            HeadColumns::new(0, v),
+        )?;
         backend.matmul(&values, &self.o, out)?;
         Ok(())
     }
@@ -271,21 +284,24 @@ impl<B: Backend> MlaWeights<B> {
         spans: &[SeqSpan<'_>],
     ) -> Result<B::Buffer> {
         let n = positions.len();
-        let n_heads = self.uk.len();
+        let n_heads = self.n_heads;
         let (p, nope, v) = (m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim);
         let qd = nope + p;
         let width = n_heads * qd;
         let mut kvd = backend.buffer(0, 0)?;
         backend.matmul(latent_normed, &self.kv_b, &mut kvd)?;
         let mut qkv = backend.buffer(n, 3 * width)?;
-        for i in 0..n_heads {
-            backend.copy_columns(q, i * qd + nope, &mut qkv, i * qd, p)?;
-            backend.copy_columns(q, i * qd, &mut qkv, i * qd + p, nope)?;
-            // The rotary key, already rotated in the absorbed layout's K.
-            backend.copy_columns(absorbed, k_col, &mut qkv, width + i * qd, p)?;
-            backend.copy_columns(&kvd, i * (nope + v), &mut qkv, width + i * qd + p, nope)?;
-            backend.copy_columns(&kvd, i * (nope + v) + nope, &mut qkv, 2 * width + i * qd, v)?;
-        }
+        let heads = |first| HeadColumns::new(first, qd);
+        let decompressed = |first| HeadColumns::new(first, nope + v);
+        backend.copy_head_columns(q, heads(nope), &mut qkv, heads(0), p, n_heads)?;
+        backend.copy_head_columns(q, heads(0), &mut qkv, heads(p), nope, n_heads)?;
+        // The rotary key, already rotated in the absorbed layout's K, shared by every head.
+        let shared_key = HeadColumns::new(k_col, 0);
+        backend.copy_head_columns(absorbed, shared_key, &mut qkv, heads(width), p, n_heads)?;
+        let k_nope = heads(width + p);
+        backend.copy_head_columns(&kvd, decompressed(0), &mut qkv, k_nope, nope, n_heads)?;
+        let values_at = heads(2 * width);
+        backend.copy_head_columns(&kvd, decompressed(nope), &mut qkv, values_at, v, n_heads)?;
         let spec = RopeSpec {
             head_dim: qd,
             ..rope.clone()
@@ -334,9 +350,8 @@ impl<B: Backend> MlaWeights<B> {
             &mut attn,
         )?;
         let mut values = backend.buffer(n, n_heads * v)?;
-        for i in 0..n_heads {
-            backend.copy_columns(&attn, i * qd, &mut values, i * v, v)?;
-        }
+        let packed = HeadColumns::new(0, v);
+        backend.copy_head_columns(&attn, heads(0), &mut values, packed, v, n_heads)?;
         Ok(values)
     }
 }

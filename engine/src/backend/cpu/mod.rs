@@ -23,7 +23,7 @@ pub use attention::CpuKvStore;
 pub use matrix::CpuMatrix;
 pub use simd::{Kernels, SimdLevel};
 
-use super::{Backend, KvLayout, Precision, RopeSpec, SeqSpan};
+use super::{Backend, HeadColumns, KvLayout, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
 use crate::sampling::{RowDraw, RowResult, sample_row};
 use crate::weights::TensorView;
@@ -101,6 +101,7 @@ pub struct CpuStepMeta<'a> {
 impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
+    type HeadMatrices = Vec<CpuMatrix>;
     type Buffer = CpuBuffer;
     type KvStore = CpuKvStore;
     type Drawn = Vec<RowResult>;
@@ -123,6 +124,13 @@ impl Backend for CpuBackend {
             Precision::Fast => CpuMatrix::prepare_compact(parts),
             Precision::Exact => CpuMatrix::prepare(parts, precision),
         }
+    }
+
+    fn head_matrices(&self, heads: &[TensorView], precision: Precision) -> Result<Vec<CpuMatrix>> {
+        heads
+            .iter()
+            .map(|h| CpuMatrix::prepare(std::slice::from_ref(h), precision))
+            .collect()
     }
 
     fn vector(&self, v: &TensorView) -> Result<Vec<f32>> {
@@ -386,6 +394,25 @@ impl Backend for CpuBackend {
         let (sc, dc) = (src.cols, dst.cols);
         for (s, d) in src.data.chunks_exact(sc).zip(dst.data.chunks_exact_mut(dc)) {
             d[dst_col..dst_col + width].copy_from_slice(&s[src_col..src_col + width]);
+        }
+        Ok(())
+    }
+
+    fn matmul_heads(
+        &self,
+        x: &CpuBuffer,
+        x_cols: HeadColumns,
+        w: &Vec<CpuMatrix>,
+        out: &mut CpuBuffer,
+        out_cols: HeadColumns,
+    ) -> Result<()> {
+        // Head by head through the ordinary matmul: the host gains nothing from one pass.
+        let (mut head_x, mut head_y) = (self.buffer(0, 0)?, self.buffer(0, 0)?);
+        for (i, m) in w.iter().enumerate() {
+            head_x.resize(x.rows, m.cols);
+            self.copy_columns(x, x_cols.of(i), &mut head_x, 0, m.cols)?;
+            self.matmul(&head_x, m, &mut head_y)?;
+            self.copy_columns(&head_y, 0, out, out_cols.of(i), m.rows)?;
         }
         Ok(())
     }

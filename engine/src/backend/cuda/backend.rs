@@ -22,10 +22,11 @@ use half::bf16;
 
 use super::gpu::Gpu;
 use super::graphs::{GraphMode, Graphs};
+use super::latent::CudaHeadMatrices;
 use super::sample::{DeviceDraw, Draws};
 use super::staging::Staging;
 use crate::backend::{
-    Backend, GraphPhase, KvLayout, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS,
+    Backend, GraphPhase, HeadColumns, KvLayout, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS,
 };
 use crate::error::{Error, Result};
 use crate::parallel::{Communicator, GroupOptions, ThreadComm};
@@ -117,21 +118,21 @@ impl CudaBuffer {
 /// The paged KV cache: `[layer][K | V][slot][width]` bf16, or `[layer][K][slot][width]` when
 /// the values are the keys (`KvLayout::KeysOnly`, MLA's latent cached once).
 pub struct CudaKvStore {
-    cache: CudaSlice<bf16>,
-    n_layers: usize,
+    pub(super) cache: CudaSlice<bf16>,
+    pub(super) n_layers: usize,
     n_slots: usize,
-    block_size: usize,
-    width: usize,
-    keys_only: bool,
+    pub(super) block_size: usize,
+    pub(super) width: usize,
+    pub(super) keys_only: bool,
 }
 
 impl CudaKvStore {
-    fn plane_len(&self) -> usize {
+    pub(super) fn plane_len(&self) -> usize {
         self.n_slots * self.width
     }
 
     /// Planes per layer: K and V, or K alone.
-    fn planes(&self) -> usize {
+    pub(super) fn planes(&self) -> usize {
         if self.keys_only { 1 } else { 2 }
     }
 }
@@ -143,22 +144,22 @@ impl CudaKvStore {
 pub struct CudaStepMeta<'a> {
     /// Device addresses in the staging arena: `int*` (`u64*` for tree rows) to the kernels.
     positions: u64,
-    cache_pos: u64,
-    token_seq: u64,
-    block_tables: u64,
-    tree_base: u64,
-    tree_rows: u64,
-    max_blocks: usize,
-    n_tokens: usize,
+    pub(super) cache_pos: u64,
+    pub(super) token_seq: u64,
+    pub(super) block_tables: u64,
+    pub(super) tree_base: u64,
+    pub(super) tree_rows: u64,
+    pub(super) max_blocks: usize,
+    pub(super) n_tokens: usize,
     /// The longest context any token of the step attends over (its cache position + 1).
-    max_context: usize,
+    pub(super) max_context: usize,
     /// Per sequence, the last cache position it writes or reads and its table's length.
     reach: Vec<(usize, usize)>,
     spans: PhantomData<&'a [SeqSpan<'a>]>,
 }
 
 impl CudaStepMeta<'_> {
-    fn check_fits(&self, block_size: usize) -> Result<()> {
+    pub(super) fn check_fits(&self, block_size: usize) -> Result<()> {
         check_fits(&self.reach, block_size)
     }
 }
@@ -180,7 +181,7 @@ pub fn check_fits(reach: &[(usize, usize)], block_size: usize) -> Result<()> {
 type RopeTable = (Vec<u32>, Arc<CudaSlice<f32>>);
 
 /// Device scratch reused across calls: the attention splits' partial results.
-struct Scratch {
+pub(super) struct Scratch {
     part_acc: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
     /// A tile of a packed matrix's rows widened to bf16 for cuBLASLt (prefill).
@@ -445,7 +446,7 @@ impl CudaBackend {
     }
 
     /// Gives `buf` the shape `[rows, cols]`, reallocating only when it has to grow.
-    fn shape(&self, buf: &mut CudaBuffer, rows: usize, cols: usize) -> Result<()> {
+    pub(super) fn shape(&self, buf: &mut CudaBuffer, rows: usize, cols: usize) -> Result<()> {
         if rows * cols > buf.data.len() {
             self.may_allocate("a buffer")?;
             self.forget_graphs()?;
@@ -473,8 +474,90 @@ impl CudaBackend {
 
     /// How many splits the attention over `max_context` keys gets: enough blocks to fill the GPU
     /// twice over when the batch alone does not.
-    fn attention_splits(&self, n_tokens: usize, n_kv_heads: usize, max_context: usize) -> usize {
+    pub(super) fn attention_splits(
+        &self,
+        n_tokens: usize,
+        n_kv_heads: usize,
+        max_context: usize,
+    ) -> usize {
         attention_splits(self.gpu.sm_count, n_tokens, n_kv_heads, max_context)
+    }
+
+    /// The scratch for `splits` partial results of `rows` (token, head) rows of `width` values
+    /// each, grown to fit (with one split nothing is read from it).
+    pub(super) fn split_scratch(
+        &self,
+        rows: usize,
+        splits: usize,
+        width: usize,
+    ) -> Result<std::sync::MutexGuard<'_, Scratch>> {
+        let mut guard = self
+            .scratch
+            .lock()
+            .map_err(|_| Error::Device("the attention scratch was poisoned".into()))?;
+        let scratch = &mut *guard;
+        let (acc_len, ml_len) = if splits > 1 {
+            (rows * splits * width, rows * splits * 2)
+        } else {
+            (1, 1)
+        };
+        for (slot, len) in [
+            (&mut scratch.part_acc, acc_len),
+            (&mut scratch.part_ml, ml_len),
+        ] {
+            if slot.as_ref().is_none_or(|s| s.len() < len) {
+                self.may_allocate("the attention scratch")?;
+                self.forget_graphs()?;
+                *slot = Some(self.zeros(len)?);
+            }
+        }
+        Ok(guard)
+    }
+
+    /// Joins the splits' partial results into `out` (`[n, n_heads * width]`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn combine_splits(
+        &self,
+        part_acc: &CudaSlice<f32>,
+        part_ml: &CudaSlice<f32>,
+        splits: usize,
+        n: usize,
+        n_heads: usize,
+        width: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let (splits_i, heads_i, width_i) = (int(splits), int(n_heads), int(width));
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_attention_combine")?);
+        b.arg(part_acc)
+            .arg(part_ml)
+            .arg(&splits_i)
+            .arg(&heads_i)
+            .arg(&width_i)
+            .arg(&mut out.data);
+        // SAFETY: as attention.cu declares: grid (tokens, heads), `width` threads (at most 1024,
+        // checked by the callers' shape checks); the parts hold n * n_heads * splits rows.
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((n, n_heads, 1), width, 0),
+                "attention combine launch",
+            )
+        }
+    }
+}
+
+/// The split scratch's two parts, `(part_acc, part_ml)`.
+pub(super) fn split_parts(
+    scratch: &mut Scratch,
+) -> Result<(&mut CudaSlice<f32>, &mut CudaSlice<f32>)> {
+    let Scratch {
+        part_acc, part_ml, ..
+    } = scratch;
+    match (part_acc.as_mut(), part_ml.as_mut()) {
+        (Some(acc), Some(ml)) => Ok((acc, ml)),
+        _ => Err(Error::Device("attention scratch missing".into())),
     }
 }
 
@@ -603,6 +686,7 @@ pub fn host_step_meta(positions: &[usize], spans: &[SeqSpan<'_>]) -> Result<Host
 impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = CudaSlice<f32>;
+    type HeadMatrices = CudaHeadMatrices;
     type Buffer = CudaBuffer;
     type KvStore = CudaKvStore;
     type Drawn = DeviceDraw;
@@ -664,6 +748,14 @@ impl Backend for CudaBackend {
             rows,
             cols,
         })
+    }
+
+    fn head_matrices(
+        &self,
+        heads: &[TensorView],
+        precision: Precision,
+    ) -> Result<CudaHeadMatrices> {
+        self.stack_heads(heads, precision)
     }
 
     fn vector(&self, v: &TensorView) -> Result<CudaSlice<f32>> {
@@ -1005,32 +1097,8 @@ impl Backend for CudaBackend {
         // Keys only: the values are read from the K plane.
         let v_first = (planes * layer + planes - 1) * plane;
         let v_plane = kv.cache.slice(v_first..v_first + plane);
-        let mut guard = self
-            .scratch
-            .lock()
-            .map_err(|_| Error::Device("the attention scratch was poisoned".into()))?;
-        let scratch = &mut *guard;
-        let (acc_len, ml_len) = if splits > 1 {
-            (n * n_heads * splits * head_dim, n * n_heads * splits * 2)
-        } else {
-            (1, 1)
-        };
-        for (slot, len) in [
-            (&mut scratch.part_acc, acc_len),
-            (&mut scratch.part_ml, ml_len),
-        ] {
-            if slot.as_ref().is_none_or(|s| s.len() < len) {
-                self.may_allocate("the attention scratch")?;
-                self.forget_graphs()?;
-                *slot = Some(self.zeros(len)?);
-            }
-        }
-        let Scratch {
-            part_acc, part_ml, ..
-        } = scratch;
-        let (Some(part_acc), Some(part_ml)) = (part_acc.as_mut(), part_ml.as_mut()) else {
-            return Err(Error::Device("attention scratch missing".into()));
-        };
+        let mut guard = self.split_scratch(n * n_heads, splits, head_dim)?;
+        let (part_acc, part_ml) = split_parts(&mut guard)?;
         let block_size = int(kv.block_size);
         let scale = 1.0 / (head_dim as f32).sqrt();
         let args = [
@@ -1072,26 +1140,23 @@ impl Backend for CudaBackend {
             )
         }?;
         if splits > 1 {
-            let (splits_i, heads_i, hd_i) = (int(splits), int(n_heads), int(head_dim));
-            let mut b = self
-                .stream()
-                .launch_builder(self.f("kiln_attention_combine")?);
-            b.arg(&*part_acc)
-                .arg(&*part_ml)
-                .arg(&splits_i)
-                .arg(&heads_i)
-                .arg(&hd_i)
-                .arg(&mut out.data);
-            // SAFETY: as attention.cu declares: grid (tokens, heads), head_dim threads.
-            unsafe {
-                self.launch(
-                    &mut b,
-                    cfg((n, n_heads, 1), head_dim, 0),
-                    "attention combine launch",
-                )
-            }?;
+            self.combine_splits(part_acc, part_ml, splits, n, n_heads, head_dim, out)?;
         }
         Ok(())
+    }
+
+    fn latent_attention(
+        &self,
+        qkv: &CudaBuffer,
+        kv: &mut CudaKvStore,
+        layer: usize,
+        meta: &CudaStepMeta<'_>,
+        n_heads: usize,
+        head_width: usize,
+        rope_dim: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.mla_attention(qkv, kv, layer, meta, n_heads, head_width, rope_dim, out)
     }
 
     fn store_kv(
@@ -1264,6 +1329,29 @@ impl Backend for CudaBackend {
             )
         }?;
         Ok(())
+    }
+
+    fn copy_head_columns(
+        &self,
+        src: &CudaBuffer,
+        src_cols: HeadColumns,
+        dst: &mut CudaBuffer,
+        dst_cols: HeadColumns,
+        width: usize,
+        count: usize,
+    ) -> Result<()> {
+        self.head_columns_copy(src, src_cols, dst, dst_cols, width, count)
+    }
+
+    fn matmul_heads(
+        &self,
+        x: &CudaBuffer,
+        x_cols: HeadColumns,
+        w: &CudaHeadMatrices,
+        out: &mut CudaBuffer,
+        out_cols: HeadColumns,
+    ) -> Result<()> {
+        self.head_matmul(x, x_cols, w, out, out_cols)
     }
 
     fn scale_columns(

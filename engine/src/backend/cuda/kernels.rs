@@ -49,6 +49,11 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        file: "mla.cu",
+        source: include_str!("kernels/mla.cu"),
+        entry_points: &["kiln_mla_attention_bf16"],
+    },
+    KernelSource {
         file: "elementwise.cu",
         source: include_str!("kernels/elementwise.cu"),
         entry_points: &[
@@ -58,6 +63,7 @@ pub const SOURCES: &[KernelSource] = &[
             "kiln_scale_columns_bf16",
             "kiln_gather_rows_bf16",
             "kiln_scatter_add_rows_bf16",
+            "kiln_copy_head_columns_bf16",
         ],
     },
     KernelSource {
@@ -67,6 +73,7 @@ pub const SOURCES: &[KernelSource] = &[
             "kiln_dequant_bf16",
             "kiln_dequant_f8_blocks_bf16",
             "kiln_packed_matmul_bf16",
+            "kiln_head_matmul_bf16",
         ],
     },
     KernelSource {

@@ -8,6 +8,7 @@ mod dequant;
 pub mod gpu;
 mod graphs;
 pub mod kernels;
+mod latent;
 mod nccl_comm;
 mod nccl_sweep;
 mod oneshot;
@@ -21,6 +22,7 @@ pub use backend::{
     CudaBackend, CudaBuffer, CudaKvStore, CudaMatrix, CudaStepMeta, HostStepMeta,
     attention_shared_bytes, attention_splits, check_attention_shape, host_step_meta,
 };
+pub use latent::{CudaHeadMatrices, mla_chunk, mla_shared_bytes};
 pub use nccl_comm::NcclComm;
 pub use nccl_sweep::nccl_sweep;
 pub use oneshot::{OneShotGpu, one_shot_selftest, one_shot_sweep};

@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::parity::{OpParity, rel_error, result};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, KvLayout, Precision, RopeSpec, SeqSpan, TreeMask};
+use crate::backend::{Backend, HeadColumns, KvLayout, Precision, RopeSpec, SeqSpan, TreeMask};
 use crate::error::Result;
 use crate::sampling::{Penalty, RowDraw, RowResult, SamplingParams, TokenMask};
 use crate::weights::{DType, TensorView};
@@ -243,24 +243,103 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
         ));
     }
 
-    out.extend(attention(b, &mut rng, KvLayout::KeysAndValues)?);
+    out.extend(per_head_cases(b, &mut rng)?);
+    out.extend(attention(
+        b,
+        &mut rng,
+        Attend::Grouped(KvLayout::KeysAndValues),
+    )?);
     // MLA's layout: the values are read from the keys.
-    for (name, values) in attention(b, &mut rng, KvLayout::KeysOnly)? {
+    for (name, values) in attention(b, &mut rng, Attend::Grouped(KvLayout::KeysOnly))? {
         out.push((format!("{name} (keys only)"), values));
+    }
+    // MLA's absorbed attention at Kimi-K2's row (64 + 512), two blocks of heads per token.
+    let kimi = Attend::Latent {
+        heads: 16,
+        rope: 64,
+        latent: 512,
+    };
+    for (name, values) in attention(b, &mut rng, kimi)? {
+        out.push((format!("{name} (latent, 16 heads of 64 + 512)"), values));
     }
     Ok(out)
 }
 
+/// MLA's per-head ops: column copies (one source block to every head too) and per-head
+/// matrices in bf16 at a width that is no multiple of 32, and packed as stored.
+fn per_head_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut out = Vec::new();
+    let (rows, width) = (5usize, 320usize);
+    let src = buffer(b, rows, width, &random(rng, rows * width, 2.0))?;
+    let mut dst = buffer(b, rows, 300, &random(rng, rows * 300, 2.0))?;
+    let at = HeadColumns::new;
+    b.copy_head_columns(&src, at(10, 64), &mut dst, at(3, 70), 20, 4)?;
+    out.push(("copy_head_columns 4 heads".into(), b.to_host(&dst)?));
+    b.copy_head_columns(&src, at(300, 0), &mut dst, at(30, 70), 16, 4)?;
+    out.push((
+        "copy_head_columns one block to 4 heads".into(),
+        b.to_host(&dst)?,
+    ));
+
+    for (dtype, head_rows, cols) in [
+        (DType::BF16, 24usize, 48usize),
+        (DType::F8Blocks(128), 40, 128),
+        (DType::Q4_0, 40, 128),
+    ] {
+        let heads = 3;
+        let parts: Vec<TensorView> = (0..heads)
+            .map(|_| stored(rng, dtype, head_rows, cols))
+            .collect::<Result<_>>()?;
+        let w = b.head_matrices(&parts, Precision::Exact)?;
+        for n in [1usize, 12] {
+            // Heads interleaved with other columns on both sides, as MLA lays them out.
+            let x_cols = at(5, cols + 7);
+            let x_width = x_cols.of(heads) + 3;
+            let x = buffer(b, n, x_width, &random(rng, n * x_width, 1.0))?;
+            let out_cols = at(2, head_rows + 9);
+            let out_width = out_cols.of(heads);
+            let mut y = buffer(b, n, out_width, &random(rng, n * out_width, 1.0))?;
+            b.matmul_heads(&x, x_cols, &w, &mut y, out_cols)?;
+            out.push((
+                format!("matmul_heads {n} x {heads} heads of {dtype:?} [{head_rows}, {cols}]"),
+                b.to_host(&y)?,
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Which attention op a scenario drives.
+#[derive(Clone, Copy)]
+enum Attend {
+    /// `attention`: 8 query heads over 2 KV heads of 64, in a store of this layout.
+    Grouped(KvLayout),
+    /// `latent_attention`: `heads` query heads over one cached row of `rope + latent`.
+    Latent {
+        heads: usize,
+        rope: usize,
+        latent: usize,
+    },
+}
+
 /// Paged attention through the step metadata: a 600-token prefill in chunks, then one step with
 /// that sequence decoding (long enough that the GPU splits it), a second sequence prefilling
-/// causally and a third verifying a 5-node tree; then tree KV moves and one more decode. In a
-/// store of `layout`.
+/// causally and a third verifying a 5-node tree; then tree KV moves and one more decode. Through
+/// the op `op` names.
 fn attention<B: Backend>(
     b: &B,
     rng: &mut ChaCha8Rng,
-    layout: KvLayout,
+    op: Attend,
 ) -> Result<Vec<(String, Vec<f32>)>> {
-    let (heads, kv_heads, hd, block) = (8usize, 2usize, 64usize, 16usize);
+    let block = 16usize;
+    let (heads, kv_heads, hd, layout) = match op {
+        Attend::Grouped(layout) => (8usize, 2usize, 64usize, layout),
+        Attend::Latent {
+            heads,
+            rope,
+            latent,
+        } => (heads, 1, rope + latent, KvLayout::KeysOnly),
+    };
     let (q_w, kv_w) = (heads * hd, kv_heads * hd);
     let width = q_w + 2 * kv_w;
     let mut kv = b.kv_store(2, 64, block, kv_w, layout, Precision::Exact)?;
@@ -285,7 +364,13 @@ fn attention<B: Backend>(
             &random(rng, positions.len() * width, 1.0),
         )?;
         let meta = b.step_meta(positions, spans)?;
-        b.attention(&qkv, kv, layer, &meta, heads, kv_heads, hd, attn)?;
+        match op {
+            Attend::Grouped(_) => b.attention(&qkv, kv, layer, &meta, heads, kv_heads, hd, attn)?,
+            Attend::Latent { rope, latent, .. } => {
+                *attn = b.buffer(positions.len(), heads * latent)?;
+                b.latent_attention(&qkv, kv, layer, &meta, heads, hd, rope, attn)?;
+            }
+        }
         b.to_host(attn)
     };
 
@@ -581,7 +666,7 @@ mod tests {
     fn every_case_runs_on_the_cpu_backend() {
         let cpu = CpuBackend::with_threads(2);
         let out = outputs(&cpu, 7).expect("the cases run");
-        assert_eq!(out.len(), 41);
+        assert_eq!(out.len(), 54);
         for (case, values) in &out {
             assert!(
                 !values.is_empty() && values.iter().all(|v| v.is_finite()),

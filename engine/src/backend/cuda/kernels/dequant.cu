@@ -221,3 +221,55 @@ extern "C" __global__ void kiln_packed_matmul_bf16(const u8* __restrict__ w, int
         if (lane == 0 && t < nt) out[(long)(t0 + t) * rows + row] = f32_to_bf16(s);
     }
 }
+
+// One matrix per head (MLA's absorbed W_UK^T and W_UV, stacked head after head: head h's rows are
+// h * rows .. (h + 1) * rows), each multiplying its own head's columns of x:
+// out[t][out_first + h * out_head + row] = sum_c w[h * rows + row][c] * x[t][x_first + h * x_head + c].
+// As kiln_packed_matmul_bf16 otherwise, plus format 2: bf16 rows of any length (row_bytes =
+// cols * 2). Grid: (ceil(rows / KILN_PACKED_WARPS), ceil(n / KILN_PACKED_TOKENS), heads); block:
+// 32 * KILN_PACKED_WARPS threads.
+extern "C" __global__ void kiln_head_matmul_bf16(const u8* __restrict__ w, int format, int width,
+                                                 long row_bytes, int rows, int cols,
+                                                 const bf16* __restrict__ x, int x_stride,
+                                                 int x_first, int x_head, int n,
+                                                 bf16* __restrict__ out, int out_stride,
+                                                 int out_first, int out_head) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * KILN_PACKED_WARPS + warp;
+    if (row >= rows) return;
+    const int h = blockIdx.z;
+    const int t0 = blockIdx.y * KILN_PACKED_TOKENS;
+    const int nt = min(KILN_PACKED_TOKENS, n - t0);
+    const u8* wr = w + ((long)h * rows + row) * row_bytes;
+    const bf16* xh = x + x_first + (long)h * x_head;
+    float acc[KILN_PACKED_TOKENS];
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) acc[t] = 0.f;
+    if (format == 2) {
+        // bf16 rows of any length: lanes stride over single values.
+        const bf16* wb = (const bf16*)wr;
+        for (int c = lane; c < cols; c += 32) {
+            const float wv = bf16_to_f32(wb[c]);
+            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+                if (t >= nt) break;
+                acc[t] += wv * bf16_to_f32(xh[(long)(t0 + t) * x_stride + c]);
+            }
+        }
+    } else {
+        float v[32];
+        for (int c = lane; c < cols / 32; c += 32) {
+            packed_chunk(wr, format, width, c, v);
+            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+                if (t >= nt) break;
+                const bf16* xr = xh + (long)(t0 + t) * x_stride + c * 32;
+                float s = 0.f;
+                for (int j = 0; j < 32; j++) s += v[j] * bf16_to_f32(xr[j]);
+                acc[t] += s;
+            }
+        }
+    }
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nt)
+            out[(long)(t0 + t) * out_stride + out_first + (long)h * out_head + row] = f32_to_bf16(s);
+    }
+}

@@ -59,3 +59,16 @@ extern "C" __global__ void kiln_scatter_add_rows_bf16(
         *d = f32_to_bf16(bf16_to_f32(*d) + weights[i] * bf16_to_f32(src[(long)i * width + j]));
     }
 }
+
+// For each head h < count: dst[r, dst_first + h * dst_head + j] = src[r, src_first + h * src_head + j],
+// j < width (MLA assembles every head's rotary and latent parts in one launch; a head stride of 0
+// copies one source block to every head). Grid: (rows, ceil(width / 256), count); block: 256.
+extern "C" __global__ void kiln_copy_head_columns_bf16(
+    const bf16* __restrict__ src, int src_stride, int src_first, int src_head,
+    bf16* __restrict__ dst, int dst_stride, int dst_first, int dst_head, int width) {
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= width) return;
+    const long r = blockIdx.x;
+    const int h = blockIdx.z;
+    dst[r * dst_stride + dst_first + h * dst_head + j] = src[r * src_stride + src_first + h * src_head + j];
+}
