@@ -13,10 +13,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kiln::backend::cpu::CpuBackend;
+use kiln::backend::routing::route;
 use kiln::backend::{KvLayout, Precision, SeqSpan};
 use kiln::load::{LoadedModel, load_model, open_weights};
 use kiln::model::mla::MlaForm;
-use kiln::model::moe::route;
+use kiln::model::moe::route_spec;
 use kiln::model::{ForwardBatch, Workspace};
 use kiln::parallel::MoeSplit;
 use kiln::parallel::tp::{GreedyRun, TpOptions, greedy};
@@ -277,7 +278,7 @@ fn router_choices_and_weights_match_transformers() {
                 .chunks(h)
                 .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
                 .collect();
-            let mut got = route(&moe, &logits, &bias);
+            let mut got = route(&route_spec(&moe), &logits, &bias);
             got.sort_by_key(|g| g.0);
             let got_experts: Vec<usize> = got.iter().map(|g| g.0).collect();
             assert_eq!(got_experts, experts[t], "{name}: token {t} experts");

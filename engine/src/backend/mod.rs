@@ -5,10 +5,12 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod routing;
 
 use crate::error::Result;
 use crate::sampling::{RowDraw, RowResult};
 use crate::weights::TensorView;
+pub use routing::{ExpertTensors, RouteSpec};
 
 /// How weights are stored and multiplied.
 #[derive(
@@ -163,6 +165,8 @@ pub trait Backend: Send + Sync {
     /// One matrix per head, all of one shape, each applied to its own head's columns (MLA's
     /// absorbed `W_UK^T` and `W_UV`): a device backend stacks them for one launch.
     type HeadMatrices: Send + Sync;
+    /// One mixture-of-experts layer's routed experts (those this rank holds).
+    type Experts: Send + Sync;
     /// An activation buffer.
     type Buffer: Send;
     /// Key/value storage for every layer, in fixed-size blocks.
@@ -209,6 +213,13 @@ pub trait Backend: Send + Sync {
         heads: &[TensorView],
         precision: Precision,
     ) -> Result<Self::HeadMatrices>;
+    /// `held[e]` is routed expert `e`'s weights where this rank holds it, `None` where another
+    /// rank does.
+    fn experts(
+        &self,
+        held: Vec<Option<ExpertTensors>>,
+        precision: Precision,
+    ) -> Result<Self::Experts>;
     fn vector(&self, v: &TensorView) -> Result<Self::Vector>;
     fn vector_from_host(&self, values: &[f32]) -> Result<Self::Vector>;
     /// A buffer of `n_rows * width` zeros.
@@ -384,6 +395,20 @@ pub trait Backend: Send + Sync {
         w: &Self::HeadMatrices,
         out: &mut Self::Buffer,
         out_cols: HeadColumns,
+    ) -> Result<()>;
+    /// A mixture-of-experts layer's routed part: each token's experts are chosen from its row of
+    /// `logits` (`[n, n_experts]`, the router's output) as [`routing::route`] chooses them, and
+    /// `out[t] += weight * down(silu(gate h[t]) * up h[t])` for each chosen expert held here.
+    /// A device backend keeps the choice on the device.
+    #[allow(clippy::too_many_arguments)]
+    fn routed_experts(
+        &self,
+        spec: &RouteSpec,
+        correction_bias: &Self::Vector,
+        h: &Self::Buffer,
+        logits: &Self::Buffer,
+        experts: &Self::Experts,
+        out: &mut Self::Buffer,
     ) -> Result<()>;
     /// `x[t][col..col + width] *= factor` for every row.
     fn scale_columns(

@@ -8,7 +8,7 @@
 use super::config::{ModelConfig, RopeLayout};
 use super::mla::{MlaForm, MlaTensors, MlaWeights, QueryTensors, join_kv_b};
 use super::moe::{Expert, MoeWeights};
-use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
+use crate::backend::{Backend, ExpertTensors, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
 use crate::parallel::{Communicator, Shard};
 use crate::weights::{TensorView, WeightStore};
@@ -547,7 +547,7 @@ impl<B: Backend> Llama<B> {
             } else {
                 [gate, up, down]
             };
-            experts.push(Some(Expert::load(backend, gate, up, down, precision)?));
+            experts.push(Some(ExpertTensors { gate, up, down }));
         }
         let shared = if shared_inter == 0 {
             None
@@ -567,7 +567,8 @@ impl<B: Backend> Llama<B> {
         } else {
             vec![0.0; e]
         };
-        MoeWeights::new(backend, get(&n("router"), &[e, h])?, bias, experts, shared)
+        let router = get(&n("router"), &[e, h])?;
+        MoeWeights::new(backend, router, &bias, experts, shared, precision)
     }
 
     /// A workspace sized up front for steps of up to `max_tokens` tokens: every activation buffer

@@ -23,7 +23,10 @@ pub use attention::CpuKvStore;
 pub use matrix::CpuMatrix;
 pub use simd::{Kernels, SimdLevel};
 
-use super::{Backend, HeadColumns, KvLayout, Precision, RopeSpec, SeqSpan};
+use super::routing::HostExperts;
+use super::{
+    Backend, ExpertTensors, HeadColumns, KvLayout, Precision, RopeSpec, RouteSpec, SeqSpan,
+};
 use crate::error::{Error, Result};
 use crate::sampling::{RowDraw, RowResult, sample_row};
 use crate::weights::TensorView;
@@ -102,6 +105,7 @@ impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
     type HeadMatrices = Vec<CpuMatrix>;
+    type Experts = HostExperts<CpuBackend>;
     type Buffer = CpuBuffer;
     type KvStore = CpuKvStore;
     type Drawn = Vec<RowResult>;
@@ -131,6 +135,14 @@ impl Backend for CpuBackend {
             .iter()
             .map(|h| CpuMatrix::prepare(std::slice::from_ref(h), precision))
             .collect()
+    }
+
+    fn experts(
+        &self,
+        held: Vec<Option<ExpertTensors>>,
+        precision: Precision,
+    ) -> Result<HostExperts<CpuBackend>> {
+        HostExperts::load(self, held, precision)
     }
 
     fn vector(&self, v: &TensorView) -> Result<Vec<f32>> {
@@ -396,6 +408,18 @@ impl Backend for CpuBackend {
             d[dst_col..dst_col + width].copy_from_slice(&s[src_col..src_col + width]);
         }
         Ok(())
+    }
+
+    fn routed_experts(
+        &self,
+        spec: &RouteSpec,
+        correction_bias: &Vec<f32>,
+        h: &CpuBuffer,
+        logits: &CpuBuffer,
+        experts: &HostExperts<CpuBackend>,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        experts.forward(self, spec, correction_bias, h, logits, out)
     }
 
     fn matmul_heads(

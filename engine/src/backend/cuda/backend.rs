@@ -15,18 +15,20 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
-    ValidAsZeroBits,
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchArgs,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use half::bf16;
 
+use super::experts::CudaExperts;
 use super::gpu::Gpu;
 use super::graphs::{GraphMode, Graphs};
 use super::latent::CudaHeadMatrices;
 use super::sample::{DeviceDraw, Draws};
 use super::staging::Staging;
 use crate::backend::{
-    Backend, GraphPhase, HeadColumns, KvLayout, Precision, RopeSpec, SeqSpan, TREE_MAX_POSITIONS,
+    Backend, ExpertTensors, GraphPhase, HeadColumns, KvLayout, Precision, RopeSpec, RouteSpec,
+    SeqSpan, TREE_MAX_POSITIONS,
 };
 use crate::error::{Error, Result};
 use crate::parallel::{Communicator, GroupOptions, ThreadComm};
@@ -232,8 +234,7 @@ fn to_bf16(values: &[f32]) -> Vec<bf16> {
 }
 
 impl CudaBackend {
-    /// `out = x · wᵀ` for a packed `w` and many tokens (prefill): a tile of rows at a time is
-    /// widened to bf16 on the device, then multiplied by cuBLASLt into its columns of `out`.
+    /// `out = x · wᵀ` for a packed `w` and many tokens (prefill): see [`Self::widened_gemm`].
     fn packed_gemm(
         &self,
         x: &CudaBuffer,
@@ -243,6 +244,33 @@ impl CudaBackend {
         cols: usize,
         out: &mut CudaBuffer,
     ) -> Result<()> {
+        let n = x.rows;
+        self.widened_gemm(
+            &x.data.slice(0..n * cols),
+            n,
+            &bytes.slice(..),
+            format,
+            (rows, cols),
+            &mut out.data.slice_mut(0..n * rows),
+            rows,
+        )
+    }
+
+    /// `out[t][j] = sum_c w[j][c] * x[t][c]` for `n` rows of `x` (`cols` apart) and a packed `w`
+    /// of `shape` (rows, cols), `out`'s rows `ldc` apart: a tile of `w`'s rows at a time is
+    /// widened to bf16 on the device, then multiplied by cuBLASLt into its columns of `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn widened_gemm(
+        &self,
+        x: &CudaView<'_, bf16>,
+        n: usize,
+        bytes: &CudaView<'_, u8>,
+        format: PackedFormat,
+        shape: (usize, usize),
+        out: &mut CudaViewMut<'_, bf16>,
+        ldc: usize,
+    ) -> Result<()> {
+        let (rows, cols) = shape;
         let tile_rows = (WIDE_TILE_VALUES / cols.max(1)).clamp(1, rows);
         let mut guard = self
             .scratch
@@ -267,37 +295,58 @@ impl CudaBackend {
             let m = tile_rows.min(rows - r0);
             let src = bytes.slice(r0 * row_bytes..(r0 + m) * row_bytes);
             self.widen_packed(&src, format, m * cols, &mut tile.slice_mut(0..m * cols))?;
-            // Column-major as in `matmul`: out^T's rows r0..r0 + m = tile x^T.
-            let c = MatmulConfig {
-                transa: true,
-                transb: false,
-                transc: false,
-                m: m as u64,
-                n: x.rows as u64,
-                k: cols as u64,
-                alpha: 1.0,
-                lda: cols as i64,
-                ldb: x.cols as i64,
-                beta: 0.0,
-                ldc: rows as i64,
-                stride_a: None,
-                stride_b: None,
-                stride_c: None,
-                stride_bias: None,
-                batch_size: None,
-            };
-            if !self.replaying.load(Ordering::Relaxed) {
-                let a = tile.slice(0..m * cols);
-                let b = x.data.slice(0..x.rows * cols);
-                let mut o = out.data.slice_mut(r0..x.rows * rows);
-                // SAFETY: the tile holds m * cols values, x x.rows * cols; out's view from column
-                // r0 holds (x.rows - 1) * rows + m values at stride `rows`.
-                unsafe { self.blas.matmul(c, &a, &b, &mut o, None, None) }
-                    .map_err(dev("cuBLASLt matmul of a widened tile"))?;
-            }
+            // Out's view from column r0 holds (n - 1) * ldc + m values at stride ldc.
+            let mut o = out.slice_mut(r0..(n - 1) * ldc + r0 + m);
+            self.view_gemm(x, n, &tile.slice(0..m * cols), (m, cols), &mut o, ldc)?;
             r0 += m;
         }
         Ok(())
+    }
+
+    /// `out[t][j] = sum_c w[j][c] * x[t][c]`: cuBLASLt on views, `x`'s `n` rows `cols` apart,
+    /// row-major `w` of `shape` (rows, cols), `out`'s rows `ldc` apart.
+    pub(super) fn view_gemm(
+        &self,
+        x: &CudaView<'_, bf16>,
+        n: usize,
+        w: &CudaView<'_, bf16>,
+        shape: (usize, usize),
+        out: &mut CudaViewMut<'_, bf16>,
+        ldc: usize,
+    ) -> Result<()> {
+        let (rows, cols) = shape;
+        if n == 0 || rows == 0 || self.replaying.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if x.len() < n * cols || w.len() < rows * cols || out.len() < (n - 1) * ldc + rows {
+            return Err(Error::Device(format!(
+                "gemm: views of {}, {} and {} values for {n} rows through [{rows}, {cols}]",
+                x.len(),
+                w.len(),
+                out.len()
+            )));
+        }
+        // Column-major as in `matmul`: out^T [rows, n] = W [rows, cols] read transposed, x^T.
+        let c = MatmulConfig {
+            transa: true,
+            transb: false,
+            transc: false,
+            m: rows as u64,
+            n: n as u64,
+            k: cols as u64,
+            alpha: 1.0,
+            lda: cols as i64,
+            ldb: cols as i64,
+            beta: 0.0,
+            ldc: ldc as i64,
+            stride_a: None,
+            stride_b: None,
+            stride_c: None,
+            stride_bias: None,
+            batch_size: None,
+        };
+        // SAFETY: the lengths were checked above against the shapes cuBLASLt reads and writes.
+        unsafe { self.blas.matmul(c, w, x, out, None, None) }.map_err(dev("cuBLASLt matmul"))
     }
 
     /// Opens CUDA device `ordinal`; the error names what is missing (driver, device, NVRTC,
@@ -687,6 +736,7 @@ impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = CudaSlice<f32>;
     type HeadMatrices = CudaHeadMatrices;
+    type Experts = CudaExperts;
     type Buffer = CudaBuffer;
     type KvStore = CudaKvStore;
     type Drawn = DeviceDraw;
@@ -756,6 +806,14 @@ impl Backend for CudaBackend {
         precision: Precision,
     ) -> Result<CudaHeadMatrices> {
         self.stack_heads(heads, precision)
+    }
+
+    fn experts(
+        &self,
+        held: Vec<Option<ExpertTensors>>,
+        precision: Precision,
+    ) -> Result<CudaExperts> {
+        self.load_experts(held, precision)
     }
 
     fn vector(&self, v: &TensorView) -> Result<CudaSlice<f32>> {
@@ -1329,6 +1387,18 @@ impl Backend for CudaBackend {
             )
         }?;
         Ok(())
+    }
+
+    fn routed_experts(
+        &self,
+        spec: &RouteSpec,
+        correction_bias: &CudaSlice<f32>,
+        h: &CudaBuffer,
+        logits: &CudaBuffer,
+        experts: &CudaExperts,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.experts_forward(spec, correction_bias, h, logits, experts, out)
     }
 
     fn copy_head_columns(

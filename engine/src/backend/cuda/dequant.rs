@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaViewMut, PushKernelArg};
 use half::bf16;
 
-use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, PackedFormat, Weights, cfg};
+use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, PackedFormat, Weights, cfg, dev};
 use crate::error::{Error, Result};
 use crate::weights::{DType, TensorView};
 
@@ -88,7 +88,7 @@ impl CudaBackend {
             .first()
             .map_or(Ok(0), |p| p.matrix_shape().map(|s| s.1))?;
         let mut rows = 0;
-        let mut bytes = Vec::new();
+        let mut total = 0;
         for p in parts {
             let (r, c) = p.matrix_shape()?;
             if c != cols {
@@ -99,16 +99,25 @@ impl CudaBackend {
                 ));
             }
             rows += r;
-            bytes.extend_from_slice(p.bytes());
+            total += p.bytes().len();
         }
         let (_, _, row_bytes) = format.kernel_args(cols);
-        if bytes.len() != rows * row_bytes as usize {
+        if total != rows * row_bytes as usize {
             return Err(Error::Device(format!(
-                "{} bytes of {format:?} for [{rows}, {cols}]",
-                bytes.len()
+                "{total} bytes of {format:?} for [{rows}, {cols}]"
             )));
         }
-        let bytes = self.upload(&bytes)?;
+        // Part by part into one allocation: a layer's experts never gather in host memory.
+        let mut bytes = self.zeros::<u8>(total)?;
+        let mut at = 0;
+        for p in parts {
+            let src = p.bytes();
+            let mut dst = bytes.slice_mut(at..at + src.len());
+            self.stream()
+                .memcpy_htod(src, &mut dst)
+                .map_err(dev("copy of packed weights to the device"))?;
+            at += src.len();
+        }
         // Uploaded: the host's file pages of these weights need not stay resident.
         parts.iter().for_each(TensorView::release_pages);
         Ok(CudaMatrix {

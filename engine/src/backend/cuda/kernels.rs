@@ -49,6 +49,16 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        file: "moe.cu",
+        source: include_str!("kernels/moe.cu"),
+        entry_points: &[
+            "kiln_moe_route",
+            "kiln_moe_group",
+            "kiln_moe_gather",
+            "kiln_moe_combine",
+        ],
+    },
+    KernelSource {
         file: "mla.cu",
         source: include_str!("kernels/mla.cu"),
         entry_points: &["kiln_mla_attention_bf16"],
@@ -74,6 +84,7 @@ pub const SOURCES: &[KernelSource] = &[
             "kiln_dequant_f8_blocks_bf16",
             "kiln_packed_matmul_bf16",
             "kiln_head_matmul_bf16",
+            "kiln_moe_matmul_bf16",
         ],
     },
     KernelSource {

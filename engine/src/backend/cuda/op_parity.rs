@@ -244,6 +244,7 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
     }
 
     out.extend(per_head_cases(b, &mut rng)?);
+    out.extend(routed_expert_cases(b, &mut rng)?);
     out.extend(attention(
         b,
         &mut rng,
@@ -302,6 +303,57 @@ fn per_head_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String
             b.matmul_heads(&x, x_cols, &w, &mut y, out_cols)?;
             out.push((
                 format!("matmul_heads {n} x {heads} heads of {dtype:?} [{head_rows}, {cols}]"),
+                b.to_host(&y)?,
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// MoE's routed experts: grouped routing with a correction bias, every expert held and a
+/// rank's contiguous share of them, a decode step (the device's grouped kernels) and a prefill
+/// (per-expert GEMMs), experts packed as stored and in bf16.
+fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
+    let spec = crate::backend::RouteSpec {
+        n_experts: 16,
+        n_group: 4,
+        topk_group: 2,
+        top_k: 4,
+        norm_topk_prob: true,
+        scaling: 2.5,
+    };
+    let (hidden, inter) = (128usize, 64usize);
+    let bias = b.vector_from_host(&random(rng, spec.n_experts, 0.5))?;
+    let mut out = Vec::new();
+    for (dtype, held) in [
+        (DType::Q4_0, 0..16usize),
+        (DType::BF16, 0..16),
+        (DType::Q4_0, 4..12),
+    ] {
+        let experts = (0..spec.n_experts)
+            .map(|e| {
+                Ok(if held.contains(&e) {
+                    Some(crate::backend::ExpertTensors {
+                        gate: stored(rng, dtype, inter, hidden)?,
+                        up: stored(rng, dtype, inter, hidden)?,
+                        down: stored(rng, dtype, hidden, inter)?,
+                    })
+                } else {
+                    None
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let experts = b.experts(experts, Precision::Exact)?;
+        for n in [3usize, 80] {
+            let h = buffer(b, n, hidden, &random(rng, n * hidden, 1.0))?;
+            let logits = buffer(b, n, spec.n_experts, &random(rng, n * spec.n_experts, 4.0))?;
+            let mut y = buffer(b, n, hidden, &random(rng, n * hidden, 1.0))?;
+            b.routed_experts(&spec, &bias, &h, &logits, &experts, &mut y)?;
+            out.push((
+                format!(
+                    "routed_experts {n} tokens, experts {}..{} of 16 as {dtype:?}",
+                    held.start, held.end
+                ),
                 b.to_host(&y)?,
             ));
         }
@@ -666,7 +718,7 @@ mod tests {
     fn every_case_runs_on_the_cpu_backend() {
         let cpu = CpuBackend::with_threads(2);
         let out = outputs(&cpu, 7).expect("the cases run");
-        assert_eq!(out.len(), 54);
+        assert_eq!(out.len(), 60);
         for (case, values) in &out {
             assert!(
                 !values.is_empty() && values.iter().all(|v| v.is_finite()),

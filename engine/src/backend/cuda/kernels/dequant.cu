@@ -273,3 +273,60 @@ extern "C" __global__ void kiln_head_matmul_bf16(const u8* __restrict__ w, int f
             out[(long)(t0 + t) * out_stride + out_first + (long)h * out_head + row] = f32_to_bf16(s);
     }
 }
+
+// The grouped expert matmul at decode sizes: block row y takes tile y (an expert and a run of
+// its sorted positions); its warps take rows of that expert's matrix (rows `rows` per expert,
+// stacked expert after expert) and multiply every position of the run:
+// out[pos][row] = sum_c w[e * rows + row][c] * x[src(pos)][c], src(pos) = pair_of_pos[pos] / k
+// (the pair's token) when gather_k > 0, else pos. Weights as kiln_head_matmul_bf16 reads them
+// (format 0 Q4_0, 1 F8Blocks, 2 bf16). Grid: (ceil(rows / KILN_PACKED_WARPS), max_tiles); block:
+// 32 * KILN_PACKED_WARPS.
+extern "C" __global__ void kiln_moe_matmul_bf16(const u8* __restrict__ w, int format, int width,
+                                                long row_bytes, int rows, int cols,
+                                                const bf16* __restrict__ x, int gather_k,
+                                                const int* __restrict__ pair_of_pos,
+                                                const int* __restrict__ tiles,
+                                                const int* __restrict__ n_tiles,
+                                                bf16* __restrict__ out) {
+    const int tile = blockIdx.y;
+    if (tile >= n_tiles[0]) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * KILN_PACKED_WARPS + warp;
+    if (row >= rows) return;
+    const int e = tiles[tile * 3], start = tiles[tile * 3 + 1], nt = tiles[tile * 3 + 2];
+    const u8* wr = w + ((long)e * rows + row) * row_bytes;
+    const bf16* xr[KILN_PACKED_TOKENS];
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+        const int pos = start + min(t, nt - 1);
+        const long src = gather_k > 0 ? pair_of_pos[pos] / gather_k : pos;
+        xr[t] = x + src * cols;
+    }
+    float acc[KILN_PACKED_TOKENS];
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) acc[t] = 0.f;
+    if (format == 2) {
+        const bf16* wb = (const bf16*)wr;
+        for (int c = lane; c < cols; c += 32) {
+            const float wv = bf16_to_f32(wb[c]);
+            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+                if (t >= nt) break;
+                acc[t] += wv * bf16_to_f32(xr[t][c]);
+            }
+        }
+    } else {
+        float v[32];
+        for (int c = lane; c < cols / 32; c += 32) {
+            packed_chunk(wr, format, width, c, v);
+            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+                if (t >= nt) break;
+                const bf16* xc = xr[t] + c * 32;
+                float s = 0.f;
+                for (int j = 0; j < 32; j++) s += v[j] * bf16_to_f32(xc[j]);
+                acc[t] += s;
+            }
+        }
+    }
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) out[(long)(start + t) * rows + row] = f32_to_bf16(s);
+    }
+}

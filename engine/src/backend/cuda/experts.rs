@@ -1,0 +1,453 @@
+//! Mixture-of-experts on the GPU with no trip to the host per layer: the router's choice
+//! (`kiln_moe_route`), the (token, expert) pairs grouped by expert (`kiln_moe_group`), the grouped
+//! expert matmuls over the experts' weights as stored (`kiln_moe_matmul_bf16`) and the weighted
+//! sum back into each token (`kiln_moe_combine`). The experts this rank holds are stacked into one
+//! allocation per projection, so a launch reaches every expert.
+//!
+//! Decode-sized steps run those kernels alone. Larger steps (prefill) read the per-expert counts
+//! back once per layer and multiply each expert's run of tokens with cuBLASLt (packed weights
+//! widened a tile at a time), where the tensor cores pay.
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, Weights, cfg, dev, int};
+use crate::backend::{Backend, ExpertTensors, Precision, RouteSpec};
+use crate::error::{Error, Result};
+
+/// As moe.cu's KILN_MOE_THREADS and dequant.cu's KILN_PACKED_TOKENS and KILN_PACKED_WARPS.
+const MOE_THREADS: usize = 256;
+const TILE_TOKENS: usize = 8;
+const WARPS: usize = 8;
+/// The routing kernel's fixed arrays (groups, experts per token).
+const MAX_GROUPS: usize = 64;
+const MAX_TOP_K: usize = 64;
+/// Dynamic shared memory a launch may take without opting in to more.
+const SHARED_LIMIT: usize = 48 * 1024;
+/// (token, expert) pairs up to which the grouped kernels run alone; past it, cuBLASLt per expert.
+const DEVICE_GROUPED_MAX_PAIRS: usize = 256;
+
+/// The routed experts one rank holds, global ids `first .. first + n_local`, each projection
+/// stacked expert after expert.
+pub struct CudaExperts {
+    /// `[gate | up]` of each expert: `2 * inter` rows of `hidden`.
+    gate_up: Option<CudaMatrix>,
+    /// `down` of each expert: `hidden` rows of `inter`.
+    down: Option<CudaMatrix>,
+    first: usize,
+    n_local: usize,
+    inter: usize,
+    hidden: usize,
+}
+
+/// The most tiles `pairs` pairs over `n_local` experts can take: a partial run per expert at
+/// most, whole runs for the rest.
+pub fn max_tiles(pairs: usize, n_local: usize) -> usize {
+    pairs.div_ceil(TILE_TOKENS) + n_local.min(pairs)
+}
+
+/// Checks that the device kernels cover a routing shape, naming what they do not.
+pub fn check_route(spec: &RouteSpec, n_local: usize) -> Result<()> {
+    let e = spec.n_experts;
+    let refused = |what: String| Err(Error::Device(format!("MoE on the GPU: {what}")));
+    if spec.n_group == 0 || spec.n_group > MAX_GROUPS || !e.is_multiple_of(spec.n_group) {
+        return refused(format!(
+            "{e} experts in {} groups (at most {MAX_GROUPS} equal groups)",
+            spec.n_group
+        ));
+    }
+    if spec.top_k == 0 || spec.top_k > MAX_TOP_K {
+        return refused(format!(
+            "{} experts a token (at most {MAX_TOP_K})",
+            spec.top_k
+        ));
+    }
+    if 2 * e * 4 > SHARED_LIMIT || 2 * n_local * 4 > SHARED_LIMIT {
+        return refused(format!("{e} experts (at most {})", SHARED_LIMIT / 8));
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    pub(super) fn load_experts(
+        &self,
+        held: Vec<Option<ExpertTensors>>,
+        precision: Precision,
+    ) -> Result<CudaExperts> {
+        let first = held.iter().position(Option::is_some).unwrap_or(0);
+        let total = held.iter().filter(|e| e.is_some()).count();
+        let mine: Vec<ExpertTensors> = held.into_iter().skip(first).map_while(|e| e).collect();
+        let n_local = mine.len();
+        if n_local != total {
+            // Expert parallelism gives each rank one contiguous range; the kernels index it so.
+            return Err(Error::Device(format!(
+                "MoE on the GPU: this rank holds {total} experts, not one run of them from {first}"
+            )));
+        }
+        let Some(one) = mine.first() else {
+            return Ok(CudaExperts {
+                gate_up: None,
+                down: None,
+                first,
+                n_local: 0,
+                inter: 0,
+                hidden: 0,
+            });
+        };
+        let (inter, hidden) = one.gate.matrix_shape()?;
+        for t in &mine {
+            for (v, want) in [
+                (&t.gate, (inter, hidden)),
+                (&t.up, (inter, hidden)),
+                (&t.down, (hidden, inter)),
+            ] {
+                if v.matrix_shape()? != want {
+                    return Err(Error::tensor(
+                        &v.path,
+                        &v.name,
+                        format!("shape {:?}, stacked with experts of {want:?}", v.shape),
+                    ));
+                }
+            }
+        }
+        let mut gate_up = Vec::with_capacity(2 * n_local);
+        let mut down = Vec::with_capacity(n_local);
+        for t in mine {
+            gate_up.extend([t.gate, t.up]);
+            down.push(t.down);
+        }
+        Ok(CudaExperts {
+            gate_up: Some(self.matrix(&gate_up, precision)?),
+            down: Some(self.matrix(&down, precision)?),
+            first,
+            n_local,
+            inter,
+            hidden,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn experts_forward(
+        &self,
+        spec: &RouteSpec,
+        correction_bias: &CudaSlice<f32>,
+        h: &CudaBuffer,
+        logits: &CudaBuffer,
+        experts: &CudaExperts,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let (Some(gate_up), Some(down)) = (&experts.gate_up, &experts.down) else {
+            return Ok(());
+        };
+        let n = h.rows;
+        let (e, k, hidden, inter) = (spec.n_experts, spec.top_k, experts.hidden, experts.inter);
+        if logits.rows != n
+            || logits.cols != e
+            || h.cols != hidden
+            || out.rows != n
+            || out.cols != hidden
+            || correction_bias.len() < e
+            || experts.first + experts.n_local > e
+        {
+            return Err(Error::Device(format!(
+                "routed experts: h [{n}, {}], logits [{}, {}], out [{}, {}] for {e} experts of \
+                 [{inter}, {hidden}]",
+                h.cols, logits.rows, logits.cols, out.rows, out.cols
+            )));
+        }
+        check_route(spec, experts.n_local)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let pairs = n * k;
+        let mut ids = self.zeros::<i32>(pairs)?;
+        let mut weights = self.zeros::<f32>(pairs)?;
+        self.route(spec, correction_bias, logits, &mut ids, &mut weights)?;
+        let groups = self.group(&ids, pairs, experts)?;
+
+        let mut y = self.buffer(0, 0)?;
+        if pairs <= DEVICE_GROUPED_MAX_PAIRS {
+            let mut gu = self.buffer(pairs, 2 * inter)?;
+            self.grouped_matmul(gate_up, h, k, &groups, pairs, &mut gu)?;
+            let mut act = self.buffer(0, 0)?;
+            self.silu_mul(&gu, &mut act)?;
+            y = self.buffer(pairs, hidden)?;
+            self.grouped_matmul(down, &act, 0, &groups, pairs, &mut y)?;
+        } else {
+            let offsets = self
+                .stream()
+                .clone_dtoh(&groups.offsets)
+                .map_err(dev("copy of the expert counts to the host"))?;
+            let held = offsets[experts.n_local].max(0) as usize;
+            if held > 0 {
+                let mut xs = self.buffer(held, hidden)?;
+                self.gather_pairs(h, &groups.pair_of_pos, k, held, &mut xs)?;
+                let mut gu = self.buffer(held, 2 * inter)?;
+                self.per_expert_gemm(gate_up, &xs, &offsets, &mut gu)?;
+                let mut act = self.buffer(0, 0)?;
+                self.silu_mul(&gu, &mut act)?;
+                y = self.buffer(held, hidden)?;
+                self.per_expert_gemm(down, &act, &offsets, &mut y)?;
+            }
+        }
+        self.combine_pairs(out, &y, &groups.pos_of_pair, &weights, k)
+    }
+
+    /// `ids` and `weights` `[n, top_k]`: each token's experts, best first, and their weights.
+    fn route(
+        &self,
+        spec: &RouteSpec,
+        bias: &CudaSlice<f32>,
+        logits: &CudaBuffer,
+        ids: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let ints = [
+            int(spec.n_experts),
+            int(spec.n_group),
+            int(spec.n_group.min(spec.topk_group)),
+            int(spec.top_k),
+            int(spec.norm_topk_prob as usize),
+        ];
+        let mut b = self.stream().launch_builder(self.f("kiln_moe_route")?);
+        b.arg(&logits.data).arg(&ints[0]).arg(bias);
+        for a in &ints[1..] {
+            b.arg(a);
+        }
+        b.arg(&spec.scaling).arg(ids).arg(weights);
+        // SAFETY: as moe.cu declares: one block per token over rows of n_experts logits; the
+        // bias holds n_experts values, ids and weights n * top_k; check_route bounded the groups,
+        // top_k and the shared memory.
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((logits.rows, 1, 1), MOE_THREADS, 2 * spec.n_experts * 4),
+                "MoE routing launch",
+            )
+        }
+    }
+
+    fn group(&self, ids: &CudaSlice<i32>, pairs: usize, experts: &CudaExperts) -> Result<Groups> {
+        let n_local = experts.n_local;
+        let tiles_max = max_tiles(pairs, n_local);
+        let mut g = Groups {
+            pair_of_pos: self.zeros(pairs)?,
+            pos_of_pair: self.zeros(pairs)?,
+            offsets: self.zeros(n_local + 1)?,
+            tiles: self.zeros(3 * tiles_max)?,
+            n_tiles: self.zeros(1)?,
+            max_tiles: tiles_max,
+        };
+        let ints = [
+            int(pairs),
+            int(experts.first),
+            int(n_local),
+            int(TILE_TOKENS),
+            int(tiles_max),
+        ];
+        let mut b = self.stream().launch_builder(self.f("kiln_moe_group")?);
+        b.arg(ids);
+        for a in &ints {
+            b.arg(a);
+        }
+        b.arg(&mut g.pair_of_pos)
+            .arg(&mut g.pos_of_pair)
+            .arg(&mut g.offsets)
+            .arg(&mut g.tiles)
+            .arg(&mut g.n_tiles);
+        // SAFETY: as moe.cu declares: one block; ids holds `pairs` values, the outputs their
+        // sizes above (tiles for max_tiles, a bound the kernel keeps to); shared 2 * n_local ints.
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((1, 1, 1), MOE_THREADS, 2 * n_local * 4),
+                "MoE grouping launch",
+            )
+        }?;
+        Ok(g)
+    }
+
+    /// `out[pos] = W_e x[src(pos)]` for every held pair's sorted position (the decode path):
+    /// `gather_k` > 0 reads the pair's token row of `x`, 0 reads row `pos`.
+    fn grouped_matmul(
+        &self,
+        w: &CudaMatrix,
+        x: &CudaBuffer,
+        gather_k: usize,
+        groups: &Groups,
+        pairs: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let (rows, cols) = (out.cols, x.cols);
+        if w.cols != cols || out.rows < pairs || (gather_k == 0 && x.rows < pairs) {
+            return Err(Error::Device(format!(
+                "grouped matmul: x [{}, {cols}], out [{}, {rows}] for experts of [{rows}, {}]",
+                x.rows, out.rows, w.cols
+            )));
+        }
+        let (format, width, row_bytes) = match &w.weights {
+            Weights::Packed { format, .. } => format.kernel_args(cols),
+            Weights::Bf16(_) => (2, 0, (cols * 2) as i64),
+        };
+        let (rows_i, cols_i, k_i) = (int(rows), int(cols), int(gather_k));
+        let mut b = self
+            .stream()
+            .launch_builder(self.f("kiln_moe_matmul_bf16")?);
+        match &w.weights {
+            Weights::Packed { bytes, .. } => b.arg(bytes),
+            Weights::Bf16(data) => b.arg(data),
+        };
+        b.arg(&format)
+            .arg(&width)
+            .arg(&row_bytes)
+            .arg(&rows_i)
+            .arg(&cols_i)
+            .arg(&x.data)
+            .arg(&k_i)
+            .arg(&groups.pair_of_pos)
+            .arg(&groups.tiles)
+            .arg(&groups.n_tiles)
+            .arg(&mut out.data);
+        // SAFETY: as dequant.cu declares: the stacked weights hold n_local * rows rows (the tiles
+        // name local experts), x's rows are the pairs' tokens or positions, out holds a row of
+        // `rows` per position; blocks past n_tiles return at once.
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((rows.div_ceil(WARPS), groups.max_tiles, 1), 32 * WARPS, 0),
+                "grouped expert matmul launch",
+            )
+        }
+    }
+
+    fn gather_pairs(
+        &self,
+        x: &CudaBuffer,
+        pair_of_pos: &CudaSlice<i32>,
+        k: usize,
+        held: usize,
+        xs: &mut CudaBuffer,
+    ) -> Result<()> {
+        let (width, k_i) = (int(x.cols), int(k));
+        let mut b = self.stream().launch_builder(self.f("kiln_moe_gather")?);
+        b.arg(&x.data)
+            .arg(&width)
+            .arg(pair_of_pos)
+            .arg(&k_i)
+            .arg(&mut xs.data);
+        // SAFETY: as moe.cu declares: `held` positions, each naming a pair of a token of x; xs
+        // holds held rows of x's width.
+        unsafe { self.launch(&mut b, cfg((held, 1, 1), 256, 0), "MoE gather launch") }
+    }
+
+    /// Each held expert's run of rows of `x` (its positions, `offsets` from the device) through
+    /// its matrix into the same rows of `out` (the prefill path).
+    fn per_expert_gemm(
+        &self,
+        w: &CudaMatrix,
+        x: &CudaBuffer,
+        offsets: &[i32],
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let (rows, cols) = (out.cols, x.cols);
+        for (e, run) in offsets.windows(2).enumerate() {
+            let (start, end) = (run[0].max(0) as usize, run[1].max(0) as usize);
+            if end <= start {
+                continue;
+            }
+            let c = end - start;
+            let xv = x.data.slice(start * cols..end * cols);
+            let mut ov = out.data.slice_mut(start * rows..end * rows);
+            match &w.weights {
+                Weights::Bf16(data) => {
+                    let wv = data.slice(e * rows * cols..(e + 1) * rows * cols);
+                    self.view_gemm(&xv, c, &wv, (rows, cols), &mut ov, rows)?;
+                }
+                Weights::Packed { bytes, format } => {
+                    let (_, _, row_bytes) = format.kernel_args(cols);
+                    let per = rows * row_bytes as usize;
+                    let wv = bytes.slice(e * per..(e + 1) * per);
+                    self.widened_gemm(&xv, c, &wv, *format, (rows, cols), &mut ov, rows)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn combine_pairs(
+        &self,
+        out: &mut CudaBuffer,
+        y: &CudaBuffer,
+        pos_of_pair: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        k: usize,
+    ) -> Result<()> {
+        let (width, k_i) = (int(out.cols), int(k));
+        let mut b = self.stream().launch_builder(self.f("kiln_moe_combine")?);
+        b.arg(&mut out.data)
+            .arg(&y.data)
+            .arg(&width)
+            .arg(pos_of_pair)
+            .arg(weights)
+            .arg(&k_i);
+        // SAFETY: as moe.cu declares: out holds its rows of `width`, pos_of_pair and weights
+        // rows * k values, y a row of `width` for every held position (-1 names none).
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg((out.rows, out.cols.div_ceil(256), 1), 256, 0),
+                "MoE combine launch",
+            )
+        }
+    }
+}
+
+/// A step's pairs grouped by expert, on the device (moe.cu's kiln_moe_group).
+struct Groups {
+    pair_of_pos: CudaSlice<i32>,
+    pos_of_pair: CudaSlice<i32>,
+    offsets: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    n_tiles: CudaSlice<i32>,
+    max_tiles: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(n_experts: usize, n_group: usize, top_k: usize) -> RouteSpec {
+        RouteSpec {
+            n_experts,
+            n_group,
+            topk_group: 1,
+            top_k,
+            norm_topk_prob: true,
+            scaling: 2.827,
+        }
+    }
+
+    #[test]
+    fn kimi_k2_and_deepseek_v3_routing_fit_the_kernels_and_others_are_named() {
+        check_route(&spec(384, 1, 8), 384).expect("Kimi-K2 on one GPU");
+        check_route(&spec(384, 1, 8), 48).expect("Kimi-K2 at TP 8");
+        check_route(&spec(256, 8, 8), 256).expect("DeepSeek-V3");
+        let e = check_route(&spec(384, 100, 8), 384).expect_err("groups");
+        assert!(e.to_string().contains("100 groups"), "{e}");
+        let e = check_route(&spec(8192, 1, 8), 8192).expect_err("experts");
+        assert!(e.to_string().contains("8192 experts"), "{e}");
+    }
+
+    #[test]
+    fn the_tile_bound_covers_every_spread_of_pairs() {
+        // Every way of spreading `pairs` over `experts` takes at most max_tiles runs of 8.
+        for (pairs, experts) in [(8usize, 384usize), (512, 384), (512, 48), (3, 2), (17, 1)] {
+            let worst: usize = (0..experts)
+                .map(|e| pairs / experts + usize::from(e < pairs % experts))
+                .map(|c| c.div_ceil(TILE_TOKENS))
+                .sum();
+            assert!(worst <= max_tiles(pairs, experts), "{pairs} over {experts}");
+            // All on one expert, and all but a few on one.
+            assert!(pairs.div_ceil(TILE_TOKENS) <= max_tiles(pairs, experts));
+        }
+    }
+}
