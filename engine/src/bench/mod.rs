@@ -2,6 +2,7 @@
 //! SGLang bench_serving's metrics, JSON results, markdown tables, side-by-side comparisons and plots.
 
 pub mod client;
+pub mod moe_layer;
 pub mod plot;
 pub mod prompts;
 pub mod report;

@@ -1,7 +1,8 @@
 //! `kiln gpu-check` (built with `--features cuda`): every CUDA kernel against its CPU reference on
 //! device 0, then every op of the CUDA backend against the CPU backend through the op trait, fresh
 //! random inputs each run, then the NCCL all-reduce sweep over every visible GPU and the one-shot
-//! all-reduce's protocol over 4 ranks (bit-exact sums);
+//! all-reduce's protocol over 4 ranks (bit-exact sums), and one Kimi-K2-sized MoE layer timed at
+//! batch 1 and 64 beside its memory roofline;
 //! tables on stdout, JSON with `--json`, non-zero exit on any mismatch or a failed sweep. `engine/benches/gpu-check.sh` runs it on a lent GPU machine.
 
 use std::path::PathBuf;
@@ -65,6 +66,19 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         Ok(line) => println!("\n{line}"),
         Err(e) => println!("\none-shot all-reduce FAILED: {e}"),
     }
+    // One Kimi-K2-sized MoE layer (issue 28's target: batch 1 at >= 70% of the roofline).
+    let moe = kiln::backend::cuda::kimi_moe_layer_speed(seed);
+    match &moe {
+        Ok((points, bw)) => print!(
+            "\nKimi-K2 MoE layer (384 INT4 experts of 7168 x 2048, 8 a token; roofline at {})\n{}",
+            bw.map_or("an unreported bandwidth".into(), |b| format!(
+                "{:.0} GB/s, the driver's clock x bus width",
+                b / 1e9
+            )),
+            kiln::bench::moe_layer::render(points, *bw)
+        ),
+        Err(e) => println!("\nKimi-K2 MoE layer FAILED: {e}"),
+    }
     if let Some(p) = &a.json {
         let sweep = match &sweep {
             Ok(points) => serde_json::json!({ "gpus": gpus, "points": points }),
@@ -74,7 +88,11 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             Ok(line) => serde_json::json!({ "pass": true, "detail": line }),
             Err(e) => serde_json::json!({ "pass": false, "detail": e }),
         };
-        let body = serde_json::json!({ "seed": seed, "ops": results, "allreduce": sweep, "one_shot": one_shot });
+        let moe_layer = match &moe {
+            Ok((points, bw)) => serde_json::json!({ "points": points, "peak_read_bandwidth": bw }),
+            Err(e) => serde_json::json!({ "error": e.to_string() }),
+        };
+        let body = serde_json::json!({ "seed": seed, "ops": results, "allreduce": sweep, "one_shot": one_shot, "moe_layer": moe_layer });
         std::fs::write(p, serde_json::to_string_pretty(&body)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
@@ -82,5 +100,6 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     anyhow::ensure!(failed == 0, "{failed} of {} cases failed", results.len());
     sweep.map_err(|e| anyhow::anyhow!("all-reduce sweep: {e}"))?;
     one_shot.map_err(|e| anyhow::anyhow!("one-shot all-reduce: {e}"))?;
+    moe.map_err(|e| anyhow::anyhow!("Kimi-K2 MoE layer: {e}"))?;
     Ok(())
 }

@@ -523,6 +523,11 @@ impl CudaBackend {
 
     /// How many splits the attention over `max_context` keys gets: enough blocks to fill the GPU
     /// twice over when the batch alone does not.
+    /// The GPU's peak read bandwidth in bytes per second, where the driver reports it.
+    pub fn peak_read_bandwidth(&self) -> Option<f64> {
+        self.gpu.peak_read_bandwidth
+    }
+
     pub(super) fn attention_splits(
         &self,
         n_tokens: usize,

@@ -12,6 +12,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, Weights, cfg, dev, int};
 use crate::backend::{Backend, ExpertTensors, Precision, RouteSpec};
+use crate::bench::moe_layer::{self, MoeLayerPoint, MoeLayerShape};
 use crate::error::{Error, Result};
 
 /// As moe.cu's KILN_MOE_THREADS and dequant.cu's KILN_PACKED_TOKENS and KILN_PACKED_WARPS.
@@ -409,6 +410,14 @@ struct Groups {
     tiles: CudaSlice<i32>,
     n_tiles: CudaSlice<i32>,
     max_tiles: usize,
+}
+
+/// Kimi-K2's routed experts (one layer, 384 INT4 experts, 8 a token) timed on GPU 0 at batch 1
+/// and 64 (`kiln gpu-check`), with the GPU's peak read bandwidth where the driver reports it.
+pub fn kimi_moe_layer_speed(seed: u64) -> Result<(Vec<MoeLayerPoint>, Option<f64>)> {
+    let gpu = CudaBackend::open(0)?;
+    let points = moe_layer::measure(&gpu, MoeLayerShape::KIMI_K2, &[1, 64], 20, seed)?;
+    Ok((points, gpu.peak_read_bandwidth()))
 }
 
 #[cfg(test)]

@@ -16,6 +16,9 @@ pub struct Gpu {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub sm_count: usize,
+    /// Bytes per second the memory's clock and bus width allow (double data rate), where the
+    /// driver reports both: the roofline kiln's kernel timings are set beside.
+    pub peak_read_bandwidth: Option<f64>,
     functions: HashMap<&'static str, CudaFunction>,
 }
 
@@ -82,6 +85,15 @@ impl Gpu {
             .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err("reading the SM count"))? as usize;
         let name = ctx.name().map_err(err("reading the device name"))?;
+        let peak_read_bandwidth = match (
+            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
+            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
+        ) {
+            (Ok(khz), Ok(bits)) if khz > 0 && bits > 0 => {
+                Some(2.0 * khz as f64 * 1e3 * bits as f64 / 8.0)
+            }
+            _ => None,
+        };
         // One created stream carries everything: a graph cannot be captured on the legacy
         // default stream. Event tracking is off before the first allocation: with one stream
         // the order is the stream's, and cudarc's cross-stream event waits would break a capture.
@@ -94,6 +106,7 @@ impl Gpu {
             name,
             compute_capability,
             sm_count,
+            peak_read_bandwidth,
             functions,
         })
     }

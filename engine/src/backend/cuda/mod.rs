@@ -23,7 +23,7 @@ pub use backend::{
     CudaBackend, CudaBuffer, CudaKvStore, CudaMatrix, CudaStepMeta, HostStepMeta,
     attention_shared_bytes, attention_splits, check_attention_shape, host_step_meta,
 };
-pub use experts::{CudaExperts, check_route, max_tiles};
+pub use experts::{CudaExperts, check_route, kimi_moe_layer_speed, max_tiles};
 pub use latent::{CudaHeadMatrices, mla_chunk, mla_shared_bytes};
 pub use nccl_comm::NcclComm;
 pub use nccl_sweep::nccl_sweep;
