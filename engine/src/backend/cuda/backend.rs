@@ -72,7 +72,11 @@ pub(super) enum Weights {
 /// The stored layouts the packed matmul reads, as its `format` and `width` arguments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum PackedFormat {
-    /// GGUF's Q4_0 (Kimi-K2-Thinking's INT4 experts repacked): 18 bytes per 32 values.
+    /// GGUF's Q4_0 (Kimi-K2-Thinking's INT4 experts repacked), 18 bytes per 32 values as
+    /// stored, laid out on the device a row at a time as its f16 scales (padded to 16 bytes)
+    /// then its 16-byte blocks of nibbles: a lane reads a block with one aligned 128-bit load
+    /// where Q4_0's 18-byte blocks take 18 byte loads. Same bytes a row where `cols` is a
+    /// multiple of 256.
     Q4_0,
     /// DeepSeek-V3's block FP8 as `F8Blocks(width)`, `width` a multiple of 32.
     F8Blocks(usize),
@@ -93,13 +97,30 @@ impl PackedFormat {
         }
     }
 
-    /// `(format, width, bytes per row)` as the kernel takes them.
+    /// `(format, width, bytes per row)` as the kernels take them, for the device layout. Q4_0's
+    /// `width` is the bytes of a row's scales (the nibbles start there).
     pub(super) fn kernel_args(self, cols: usize) -> (i32, i32, i64) {
         match self {
-            PackedFormat::Q4_0 => (0, 32, (cols / 32 * 18) as i64),
+            PackedFormat::Q4_0 => {
+                let scales = q4_scale_bytes(cols);
+                (0, scales as i32, (scales + cols / 2) as i64)
+            }
             PackedFormat::F8Blocks(w) => (1, w as i32, (cols / w * (4 + w)) as i64),
         }
     }
+
+    /// Bytes of one stored row of `cols` values.
+    pub(super) fn stored_row_bytes(self, cols: usize) -> usize {
+        match self {
+            PackedFormat::Q4_0 => cols / 32 * 18,
+            PackedFormat::F8Blocks(w) => cols / w * (4 + w),
+        }
+    }
+}
+
+/// A Q4_0 row's f16 scales on the device, padded so its nibble blocks start 16-byte aligned.
+pub fn q4_scale_bytes(cols: usize) -> usize {
+    (cols / 32 * 2).next_multiple_of(16)
 }
 
 /// Activations `[rows, cols]`, row-major bf16, in an allocation that only grows (the workspace
@@ -271,7 +292,13 @@ impl CudaBackend {
         ldc: usize,
     ) -> Result<()> {
         let (rows, cols) = shape;
-        let tile_rows = (WIDE_TILE_VALUES / cols.max(1)).clamp(1, rows);
+        if n == 0 || rows == 0 {
+            return Ok(());
+        }
+        // Whole multiples of 128 rows: each tile's first output column then sits 256 bytes
+        // on, the alignment cuBLASLt's heuristic assumes of every pointer (cudarc sets no
+        // smaller minimum).
+        let tile_rows = (WIDE_TILE_VALUES / cols.max(1) / 128 * 128).clamp(128.min(rows), rows);
         let mut guard = self
             .scratch
             .lock()
@@ -294,7 +321,7 @@ impl CudaBackend {
         while r0 < rows {
             let m = tile_rows.min(rows - r0);
             let src = bytes.slice(r0 * row_bytes..(r0 + m) * row_bytes);
-            self.widen_packed(&src, format, m * cols, &mut tile.slice_mut(0..m * cols))?;
+            self.widen_packed(&src, format, (m, cols), &mut tile.slice_mut(0..m * cols))?;
             // Out's view from column r0 holds (n - 1) * ldc + m values at stride ldc.
             let mut o = out.slice_mut(r0..(n - 1) * ldc + r0 + m);
             self.view_gemm(x, n, &tile.slice(0..m * cols), (m, cols), &mut o, ldc)?;
@@ -1686,6 +1713,23 @@ mod tests {
         }];
         assert!(host_step_meta(&[100], &far).is_err());
         assert!(host_step_meta(&[30], &spans).is_err());
+    }
+
+    #[test]
+    fn q4_rows_keep_kimi_k2_s_stored_size_and_align_every_block() {
+        // Kimi-K2's expert widths: the device rows take exactly the stored bytes.
+        for cols in [7168usize, 2048] {
+            let (_, scales, row_bytes) = PackedFormat::Q4_0.kernel_args(cols);
+            assert_eq!(
+                row_bytes as usize,
+                PackedFormat::Q4_0.stored_row_bytes(cols)
+            );
+            assert_eq!(scales as usize % 16, 0);
+            assert_eq!(row_bytes % 16, 0);
+        }
+        // A narrow row pads its scales to 16 bytes; its blocks stay aligned.
+        let (_, scales, row_bytes) = PackedFormat::Q4_0.kernel_args(96);
+        assert_eq!((scales, row_bytes), (16, 64));
     }
 
     #[test]

@@ -101,22 +101,31 @@ impl CudaBackend {
             rows += r;
             total += p.bytes().len();
         }
-        let (_, _, row_bytes) = format.kernel_args(cols);
-        if total != rows * row_bytes as usize {
+        if total != rows * format.stored_row_bytes(cols) {
             return Err(Error::Device(format!(
                 "{total} bytes of {format:?} for [{rows}, {cols}]"
             )));
         }
+        let (_, scales, row_bytes) = format.kernel_args(cols);
+        let row_bytes = row_bytes as usize;
         // Part by part into one allocation: a layer's experts never gather in host memory.
-        let mut bytes = self.zeros::<u8>(total)?;
+        let mut bytes = self.zeros::<u8>(rows * row_bytes)?;
         let mut at = 0;
         for p in parts {
             let src = p.bytes();
-            let mut dst = bytes.slice_mut(at..at + src.len());
-            self.stream()
-                .memcpy_htod(src, &mut dst)
-                .map_err(dev("copy of packed weights to the device"))?;
-            at += src.len();
+            let part_rows = src.len() / format.stored_row_bytes(cols);
+            let mut dst = bytes.slice_mut(at..at + part_rows * row_bytes);
+            match format {
+                PackedFormat::F8Blocks(_) => self
+                    .stream()
+                    .memcpy_htod(src, &mut dst)
+                    .map_err(dev("copy of packed weights to the device"))?,
+                PackedFormat::Q4_0 => {
+                    let stored = self.upload(src)?;
+                    self.q4_0_to_rows(&stored, part_rows, cols, scales, &mut dst)?;
+                }
+            }
+            at += part_rows * row_bytes;
         }
         // Uploaded: the host's file pages of these weights need not stay resident.
         parts.iter().for_each(TensorView::release_pages);
@@ -175,30 +184,70 @@ impl CudaBackend {
         }
     }
 
-    /// `n` values of packed rows already on the device, as bf16 into `dst`.
+    /// `rows` rows of `cols` values of packed rows already on the device (in the device layout),
+    /// as bf16 into `dst`.
     pub(super) fn widen_packed(
         &self,
         src: &cudarc::driver::CudaView<u8>,
         format: PackedFormat,
-        n: usize,
+        (rows, cols): (usize, usize),
         dst: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
         match format {
-            PackedFormat::F8Blocks(width) => self.dequantize_f8_blocks(src, width, n, dst),
+            PackedFormat::F8Blocks(width) => {
+                self.dequantize_f8_blocks(src, width, rows * cols, dst)
+            }
             PackedFormat::Q4_0 => {
-                let (code, n_blocks) = (2i32, (n / 32) as i64);
-                let mut b = self.stream().launch_builder(self.f("kiln_dequant_bf16")?);
-                b.arg(src).arg(&code).arg(&n_blocks).arg(dst);
-                // SAFETY: `src` holds n / 32 Q4_0 blocks (the caller sliced whole rows) and
-                // `dst` n values; one thread per block.
+                let (_, scales, row_bytes) = format.kernel_args(cols);
+                let (cols_i, n_blocks) = (cols as i32, (rows * cols / 32) as i64);
+                let mut b = self
+                    .stream()
+                    .launch_builder(self.f("kiln_dequant_q4_rows_bf16")?);
+                b.arg(src)
+                    .arg(&cols_i)
+                    .arg(&scales)
+                    .arg(&row_bytes)
+                    .arg(&n_blocks)
+                    .arg(dst);
+                // SAFETY: `src` holds `rows` whole rows of row_bytes (the caller sliced them) and
+                // `dst` rows * cols values; one thread per 32-value block.
                 unsafe {
                     self.launch(
                         &mut b,
-                        cfg(((n / 32).div_ceil(256), 1, 1), 256, 0),
+                        cfg(((n_blocks as usize).div_ceil(256), 1, 1), 256, 0),
                         "packed widen launch",
                     )
                 }
             }
+        }
+    }
+
+    /// Stored Q4_0 rows (on the device) into the device's row layout: scales, then nibbles.
+    fn q4_0_to_rows(
+        &self,
+        stored: &cudarc::driver::CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+        scales: i32,
+        dst: &mut CudaViewMut<u8>,
+    ) -> Result<()> {
+        let (_, _, row_bytes) = PackedFormat::Q4_0.kernel_args(cols);
+        let (cols_i, n_blocks) = (cols as i32, (rows * cols / 32) as i64);
+        let mut b = self.stream().launch_builder(self.f("kiln_q4_0_to_rows")?);
+        b.arg(stored)
+            .arg(&cols_i)
+            .arg(&scales)
+            .arg(&row_bytes)
+            .arg(&n_blocks)
+            .arg(dst);
+        // SAFETY: `stored` holds rows * cols / 32 blocks of 18 bytes (its length was checked
+        // against the part's shape), `dst` rows * row_bytes bytes; one thread per block.
+        unsafe {
+            self.launch(
+                &mut b,
+                cfg(((n_blocks as usize).div_ceil(256), 1, 1), 256, 0),
+                "Q4_0 relayout launch",
+            )
         }
     }
 

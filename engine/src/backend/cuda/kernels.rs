@@ -85,6 +85,8 @@ pub const SOURCES: &[KernelSource] = &[
             "kiln_packed_matmul_bf16",
             "kiln_head_matmul_bf16",
             "kiln_moe_matmul_bf16",
+            "kiln_q4_0_to_rows",
+            "kiln_dequant_q4_rows_bf16",
         ],
     },
     KernelSource {

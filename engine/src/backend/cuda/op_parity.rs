@@ -322,7 +322,7 @@ fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(S
         norm_topk_prob: true,
         scaling: 2.5,
     };
-    let (hidden, inter) = (128usize, 64usize);
+    let (hidden, inter) = (128usize, 128usize);
     let bias = b.vector_from_host(&random(rng, spec.n_experts, 0.5))?;
     let mut out = Vec::new();
     for (dtype, held) in [

@@ -169,19 +169,33 @@ extern "C" __global__ void kiln_dequant_f8_blocks_bf16(const u8* __restrict__ sr
 // pass: decode at small batch is bound by that read. Plain loads and FMAs, no tensor-core-only
 // paths, so one source serves sm_90 and sm_120. out[t][row] = sum_c w[row][c] * x[t][c].
 //
-// format 0: Q4_0, row_bytes = cols / 32 * 18. format 1: F8Blocks(width), width a multiple of 32,
-// row_bytes = cols / width * (4 + width). Grid: (ceil(rows / KILN_PACKED_WARPS),
+// format 0: Q4_0 as the device lays it out (Q4 rows): per row, its cols / 32 f16 scales padded to
+// `width` bytes (a multiple of 16), then a 16-byte block of nibbles per 32 values; row_bytes =
+// width + cols / 2, a multiple of 16, so every block is one aligned 128-bit load.
+// format 1: F8Blocks(width), width a multiple of 32, row_bytes = cols / width * (4 + width). Grid: (ceil(rows / KILN_PACKED_WARPS),
 // ceil(n / KILN_PACKED_TOKENS)); block: 32 * KILN_PACKED_WARPS threads.
 #define KILN_PACKED_TOKENS 8
 #define KILN_PACKED_WARPS 8
 
+// 16 bytes, aligned for one 128-bit load.
+struct alignas(16) Bytes16 {
+    u32 w[4];
+};
+
 __device__ __forceinline__ void packed_chunk(const u8* row, int format, int width, int c, float* v) {
     if (format == 0) {
-        const u8* b = row + (long)c * 18;
-        const float d = f16_at(b);
-        for (int j = 0; j < 16; j++) {
-            v[j] = (float)((int)(b[2 + j] & 0x0f) - 8) * d;
-            v[j + 16] = (float)((int)(b[2 + j] >> 4) - 8) * d;
+        // Q4 rows: f16 scales at the row's start, block c's 16 nibble bytes at width + 16 c
+        // (Q4_0's order: the low nibbles are values 0..15, the high ones 16..31).
+        const float d = f16_at(row + c * 2);
+        const Bytes16 q = *(const Bytes16*)(row + width + (long)c * 16);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                const u32 byte = (q.w[i] >> (8 * b)) & 0xffu;
+                v[i * 4 + b] = (float)((int)(byte & 0x0fu) - 8) * d;
+                v[i * 4 + b + 16] = (float)((int)(byte >> 4) - 8) * d;
+            }
         }
     } else {
         const int first = c * 32;
@@ -329,4 +343,36 @@ extern "C" __global__ void kiln_moe_matmul_bf16(const u8* __restrict__ w, int fo
         const float s = warp_sum(acc[t]);
         if (lane == 0 && t < nt) out[(long)(start + t) * rows + row] = f32_to_bf16(s);
     }
+}
+
+// Stored Q4_0 blocks (18 bytes: an f16 scale, 16 bytes of nibbles) into Q4 rows (format 0 above):
+// block b of a row of `cols` values gives its scale to bytes 2b.. of the row and its nibbles to
+// bytes scales + 16b... Grid: ceil(n_blocks / 256); block: 256.
+extern "C" __global__ void kiln_q4_0_to_rows(const u8* __restrict__ src, int cols, int scales,
+                                             long row_bytes, long n_blocks, u8* __restrict__ dst) {
+    const long blk = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (blk >= n_blocks) return;
+    const int per_row = cols / 32;
+    const long row = blk / per_row;
+    const int c = (int)(blk % per_row);
+    const u8* b = src + blk * 18;
+    u8* r = dst + row * row_bytes;
+    r[c * 2] = b[0];
+    r[c * 2 + 1] = b[1];
+    for (int j = 0; j < 16; j++) r[scales + c * 16 + j] = b[2 + j];
+}
+
+// Q4 rows (format 0) widened to bf16 for cuBLASLt (prefill): one thread per 32-value block.
+// Grid: ceil(n_blocks / 256); block: 256.
+extern "C" __global__ void kiln_dequant_q4_rows_bf16(const u8* __restrict__ src, int cols,
+                                                     int scales, long row_bytes, long n_blocks,
+                                                     bf16* __restrict__ dst) {
+    const long blk = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (blk >= n_blocks) return;
+    const int per_row = cols / 32;
+    const long row = blk / per_row;
+    const int c = (int)(blk % per_row);
+    float v[32];
+    packed_chunk(src + row * row_bytes, 0, scales, c, v);
+    for (int j = 0; j < 32; j++) dst[blk * 32 + j] = f32_to_bf16(v[j]);
 }

@@ -50,7 +50,8 @@ extern "C" __global__ void __launch_bounds__(KILN_MOE_THREADS) kiln_moe_route(
                 second = v;
             }
         }
-        group_score[g] = first + second;
+        // A group of one is scored by its one expert, as the host's top-two sum of it is.
+        group_score[g] = per_group > 1 ? first + second : first;
         group_on[g] = 0;
     }
     __syncthreads();
@@ -100,7 +101,8 @@ extern "C" __global__ void __launch_bounds__(KILN_MOE_THREADS) kiln_moe_route(
                     v = best_v[w];
                     i = best_i[w];
                 }
-            // The host checked top_k <= topk_group * per_group: there is always a candidate.
+            // The host checked top_k <= n_experts: there is always a candidate left (experts
+            // outside the chosen groups are -inf, still candidates, as on the host).
             chosen[r] = i < 0 ? 0 : i;
             if (i >= 0) choice[i] = __int_as_float(0x7fc00000);  // taken
         }
