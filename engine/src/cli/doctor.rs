@@ -26,31 +26,13 @@ pub struct DoctorArgs {
 
 /// The all-reduce sweep over `ranks` GPUs: NCCL in a CUDA build; otherwise an error saying so.
 pub fn measure_allreduce(ranks: usize) -> Result<Vec<AllReducePoint>, String> {
-    #[cfg(feature = "cuda")]
-    {
-        kiln::backend::cuda::nccl_sweep(ranks, std::time::Duration::from_secs(120))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        Err(format!(
-            "this build has no CUDA side, so it cannot drive NCCL over the {ranks} GPUs (build with --features cuda, or use the flake's packages.cuda)"
-        ))
-    }
+    kiln::runner::measure::allreduce_sweep(ranks)
 }
 
 /// The one-shot peer-to-peer kernel's sweep over `ranks` GPUs (sizes up to 1 MiB), in a CUDA
 /// build; otherwise an error saying so.
 pub fn measure_one_shot(ranks: usize) -> Result<Vec<AllReducePoint>, String> {
-    #[cfg(feature = "cuda")]
-    {
-        kiln::backend::cuda::one_shot_sweep(ranks, std::time::Duration::from_secs(120))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        Err(format!(
-            "this build has no CUDA side, so it cannot run the one-shot kernel over the {ranks} GPUs (build with --features cuda)"
-        ))
-    }
+    kiln::runner::measure::one_shot_sweep(ranks)
 }
 
 /// The CPU kernels' SIMD level, as the fingerprint names it.

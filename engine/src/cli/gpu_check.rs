@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use kiln::runner::measure::gpu;
 
 #[derive(clap::Args)]
 pub struct GpuCheckArgs {
@@ -27,11 +28,7 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             .unwrap_or(0)
     });
     println!("seed {seed}");
-    let mut results = kiln::backend::cuda::parity::run(seed).map_err(|e| anyhow::anyhow!(e))?;
-    results.extend(
-        kiln::backend::cuda::op_parity::run(seed)
-            .context("the CUDA backend against the CPU backend")?,
-    );
+    let results = gpu::parity(seed).context("the CUDA kernels and backend against the CPU")?;
     println!(
         "{:<16} {:<44} {:>10} {:>9}  result",
         "op", "case", "error", "tolerance"
@@ -48,9 +45,7 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     }
     // The NCCL all-reduce sweep over every visible GPU (one rank on a one-GPU machine: no bus
     // traffic, but the same init, buffers and timing code `kiln doctor` runs on the 8-GPU box).
-    let gpus = kiln::backend::cuda::probe()
-        .map(|r| r.devices.len())
-        .unwrap_or(0);
+    let gpus = gpu::count();
     let sweep = super::doctor::measure_allreduce(gpus);
     match &sweep {
         Ok(points) => print!(
@@ -61,13 +56,13 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     }
     // The one-shot kernel's protocol over 4 ranks on whatever GPUs there are (several ranks per
     // GPU on a one-GPU machine): real launches, flags and parities, every sum checked.
-    let one_shot = kiln::backend::cuda::one_shot_selftest(4, 300, seed);
+    let one_shot = gpu::one_shot_selftest(4, 300, seed);
     match &one_shot {
         Ok(line) => println!("\n{line}"),
         Err(e) => println!("\none-shot all-reduce FAILED: {e}"),
     }
     // One Kimi-K2-sized MoE layer (issue 28's target: batch 1 at >= 70% of the roofline).
-    let moe = kiln::backend::cuda::kimi_moe_layer_speed(seed);
+    let moe = gpu::kimi_moe_layer(seed);
     match &moe {
         Ok((points, bw)) => print!(
             "\nKimi-K2 MoE layer (384 INT4 experts of 7168 x 2048, 8 a token; roofline at {})\n{}",

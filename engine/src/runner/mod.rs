@@ -5,7 +5,8 @@
 //!
 //! - `plan`: what crosses each step (plan in, output out), with room for prefix caching
 //!   (`cached_prefix`) and structured outputs (`guide`);
-//! - `device`: `--device cpu|cuda` to a backend, the only place one is named;
+//! - `device`: `--device cpu|cuda` to a backend, the only place one is named (with `measure`,
+//!   the device's sweeps and self-checks the CLI asks for);
 //! - `load`: a model path and settings to a runner and the [`ModelInfo`] the server shows;
 //! - `model_runner`: [`Runner`], the step itself (drafts, batch, forward, acceptance);
 //! - `drafter`: n-gram and EAGLE-3 (chain and tree) drafting behind one interface;
@@ -19,6 +20,7 @@ mod drafter;
 pub mod graphs;
 mod guided;
 pub mod load;
+pub mod measure;
 pub mod memory;
 mod model_runner;
 pub mod plan;

@@ -62,7 +62,8 @@ pub struct CudaMatrix {
 pub(super) enum Weights {
     /// Row-major bf16: cuBLASLt multiplies it, `embed` reads its rows.
     Bf16(CudaSlice<bf16>),
-    /// Row-major blocks as stored (`dequant.cu`'s `kiln_packed_matmul_bf16` reads them).
+    /// Row-major packed rows (FP8 blocks as stored, INT4 as Q4 rows: see [`PackedFormat`]),
+    /// read by dequant.cu's packed kernels.
     Packed {
         bytes: CudaSlice<u8>,
         format: PackedFormat,
@@ -85,7 +86,7 @@ pub(super) enum PackedFormat {
 impl PackedFormat {
     /// The packed form of `dtype` for rows of `cols` values, where the kernel reads it.
     pub(super) fn of(dtype: DType, cols: usize) -> Option<PackedFormat> {
-        if !cols.is_multiple_of(32) {
+        if cols == 0 || !cols.is_multiple_of(32) {
             return None;
         }
         match dtype {

@@ -77,8 +77,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `parts` stacked by rows, their stored bytes uploaded as they are (Kimi-K2's INT4 at 0.56
-    /// bytes a weight, DeepSeek-V3's FP8 at 1.03, instead of bf16's 2).
+    /// `parts` stacked by rows, packed as stored (Kimi-K2's INT4 at 0.56 bytes a weight,
+    /// DeepSeek-V3's FP8 at 1.03, instead of bf16's 2): FP8 blocks go up as they are, Q4_0
+    /// blocks are relaid into Q4 rows on the device.
     pub(super) fn packed_matrix(
         &self,
         parts: &[TensorView],
@@ -113,7 +114,10 @@ impl CudaBackend {
         let mut at = 0;
         for p in parts {
             let src = p.bytes();
-            let part_rows = src.len() / format.stored_row_bytes(cols);
+            let part_rows = p.matrix_shape()?.0;
+            if part_rows == 0 {
+                continue;
+            }
             let mut dst = bytes.slice_mut(at..at + part_rows * row_bytes);
             match format {
                 PackedFormat::F8Blocks(_) => self

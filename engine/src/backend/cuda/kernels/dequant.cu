@@ -1,7 +1,8 @@
 // Weights to bf16 on the GPU at load: the stored bytes of one tensor go up as they are, and one
 // thread per stored block writes its values (the bit layouts of ggml-quants.c, as the host's
 // weights/dtype.rs `dequantize` reads them). Every byte is read singly: GGUF blocks of 18, 20,
-// 22, 34 or 210 bytes sit at any alignment.
+// 22, 34 or 210 bytes sit at any alignment. (The packed kernels further down read their own
+// device layout, Q4 rows, with aligned 128-bit loads.)
 //
 // `dtype` is the ggml type id: 0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K,
 // 13 Q5_K, 14 Q6_K, 30 BF16.
