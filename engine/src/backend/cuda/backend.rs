@@ -20,7 +20,7 @@ use cudarc::driver::{
 };
 use half::bf16;
 
-use super::experts::CudaExperts;
+use super::experts::{CudaExperts, MoeScratch};
 use super::gpu::Gpu;
 use super::graphs::{GraphMode, Graphs};
 use super::latent::CudaHeadMatrices;
@@ -224,6 +224,8 @@ pub struct CudaBackend {
     /// RoPE inverse frequencies on the device, per distinct spec (the model's, a draft head's).
     rope_tables: Mutex<Vec<RopeTable>>,
     scratch: Mutex<Scratch>,
+    /// The routed experts' per-step arrays, grown to the largest step (experts.rs).
+    pub(super) moe_scratch: Mutex<MoeScratch>,
     /// Per-step uploads (staging.rs).
     staging: Mutex<Staging>,
     /// Decode graphs and whether ops now record or replay one (graphs.rs).
@@ -394,6 +396,7 @@ impl CudaBackend {
                 part_acc: None,
                 part_ml: None,
             }),
+            moe_scratch: Mutex::new(MoeScratch::default()),
             staging: Mutex::new(staging),
             graphs: Mutex::new(Graphs::default()),
             replaying: AtomicBool::new(false),
@@ -513,6 +516,23 @@ impl CudaBackend {
         self.stream()
             .clone_htod(values)
             .map_err(dev("copy to the device"))
+    }
+
+    /// `slot`'s allocation, grown to at least `n` values (zeros) where it is smaller: scratch
+    /// that only grows, so steps after the largest allocate nothing.
+    pub(super) fn grown<'s, T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        slot: &'s mut Option<CudaSlice<T>>,
+        n: usize,
+        what: &str,
+    ) -> Result<&'s mut CudaSlice<T>> {
+        if slot.as_ref().is_none_or(|s| s.len() < n) {
+            self.may_allocate(what)?;
+            self.forget_graphs()?;
+            *slot = Some(self.zeros(n)?);
+        }
+        slot.as_mut()
+            .ok_or_else(|| Error::Device(format!("{what} missing")))
     }
 
     pub(super) fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {

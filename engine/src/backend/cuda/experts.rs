@@ -26,8 +26,9 @@ const MAX_TOP_K: usize = 64;
 const SHARED_LIMIT: usize = 48 * 1024;
 /// `kiln_moe_route`'s static shared arrays, rounded up (ptxas reports 832 bytes).
 const ROUTE_STATIC_SHARED: usize = 1024;
-/// (token, expert) pairs up to which the grouped kernels run alone; past it, cuBLASLt per expert.
-const DEVICE_GROUPED_MAX_PAIRS: usize = 256;
+/// (token, expert) pairs up to which the grouped kernels run alone (decode up to 128 tokens at 8
+/// experts a token); past it, cuBLASLt per expert.
+const DEVICE_GROUPED_MAX_PAIRS: usize = 1024;
 
 /// The routed experts one rank holds, global ids `first .. first + n_local`, each projection
 /// stacked expert after expert.
@@ -170,40 +171,66 @@ impl CudaBackend {
             return Ok(());
         }
         let pairs = n * k;
-        let mut ids = self.zeros::<i32>(pairs)?;
-        let mut weights = self.zeros::<f32>(pairs)?;
-        self.route(spec, correction_bias, logits, &mut ids, &mut weights)?;
-        let groups = self.group(&ids, pairs, experts)?;
+        let mut guard = self
+            .moe_scratch
+            .lock()
+            .map_err(|_| Error::Device("the MoE scratch was poisoned".into()))?;
+        let MoeScratch {
+            ids,
+            weights,
+            groups,
+            gu,
+            act,
+            y,
+            xs,
+        } = &mut *guard;
+        let (gu, act, y, xs) = (
+            self.slot_buffer(gu)?,
+            self.slot_buffer(act)?,
+            self.slot_buffer(y)?,
+            self.slot_buffer(xs)?,
+        );
+        let ids = self.grown(ids, pairs, "the MoE routing scratch")?;
+        let weights = self.grown(weights, pairs, "the MoE routing scratch")?;
+        self.route(spec, correction_bias, logits, ids, weights)?;
+        let groups = self.group(groups, ids, pairs, experts)?;
 
-        let mut y = self.buffer(0, 0)?;
         // cuBLASLt's views of an expert's run start 256-byte aligned only where both widths
         // are multiples of 128 (every MoE model's are; tiny test models' need not be).
         let aligned = hidden.is_multiple_of(128) && inter.is_multiple_of(128);
         if pairs <= DEVICE_GROUPED_MAX_PAIRS || !aligned {
-            let mut gu = self.buffer(pairs, 2 * inter)?;
-            self.grouped_matmul(gate_up, h, k, &groups, pairs, &mut gu)?;
-            let mut act = self.buffer(0, 0)?;
-            self.silu_mul(&gu, &mut act)?;
-            y = self.buffer(pairs, hidden)?;
-            self.grouped_matmul(down, &act, 0, &groups, pairs, &mut y)?;
+            self.shape(gu, pairs, 2 * inter)?;
+            self.grouped_matmul(gate_up, h, k, &groups, pairs, gu)?;
+            self.silu_mul(gu, act)?;
+            self.shape(y, pairs, hidden)?;
+            self.grouped_matmul(down, act, 0, &groups, pairs, y)?;
         } else {
             let offsets = self
                 .stream()
-                .clone_dtoh(&groups.offsets)
+                .clone_dtoh(groups.offsets)
                 .map_err(dev("copy of the expert counts to the host"))?;
             let held = offsets[experts.n_local].max(0) as usize;
-            if held > 0 {
-                let mut xs = self.buffer(held, hidden)?;
-                self.gather_pairs(h, &groups.pair_of_pos, k, held, &mut xs)?;
-                let mut gu = self.buffer(held, 2 * inter)?;
-                self.per_expert_gemm(gate_up, &xs, &offsets, &mut gu)?;
-                let mut act = self.buffer(0, 0)?;
-                self.silu_mul(&gu, &mut act)?;
-                y = self.buffer(held, hidden)?;
-                self.per_expert_gemm(down, &act, &offsets, &mut y)?;
+            if held == 0 {
+                return Ok(());
             }
+            self.shape(xs, held, hidden)?;
+            self.gather_pairs(h, groups.pair_of_pos, k, held, xs)?;
+            self.shape(gu, held, 2 * inter)?;
+            self.per_expert_gemm(gate_up, xs, &offsets, gu)?;
+            self.silu_mul(gu, act)?;
+            self.shape(y, held, hidden)?;
+            self.per_expert_gemm(down, act, &offsets, y)?;
         }
-        self.combine_pairs(out, &y, &groups.pos_of_pair, &weights, k)
+        self.combine_pairs(out, y, groups.pos_of_pair, weights, k)
+    }
+
+    /// The buffer in `slot`, made (empty) the first time.
+    fn slot_buffer<'s>(&self, slot: &'s mut Option<CudaBuffer>) -> Result<&'s mut CudaBuffer> {
+        if slot.is_none() {
+            *slot = Some(self.buffer(0, 0)?);
+        }
+        slot.as_mut()
+            .ok_or_else(|| Error::Device("MoE scratch buffer missing".into()))
     }
 
     /// `ids` and `weights` `[n, top_k]`: each token's experts, best first, and their weights.
@@ -240,15 +267,29 @@ impl CudaBackend {
         }
     }
 
-    fn group(&self, ids: &CudaSlice<i32>, pairs: usize, experts: &CudaExperts) -> Result<Groups> {
+    fn group<'s>(
+        &self,
+        slots: &'s mut GroupSlots,
+        ids: &CudaSlice<i32>,
+        pairs: usize,
+        experts: &CudaExperts,
+    ) -> Result<Groups<'s>> {
         let n_local = experts.n_local;
         let tiles_max = max_tiles(pairs, n_local);
-        let mut g = Groups {
-            pair_of_pos: self.zeros(pairs)?,
-            pos_of_pair: self.zeros(pairs)?,
-            offsets: self.zeros(n_local + 1)?,
-            tiles: self.zeros(3 * tiles_max)?,
-            n_tiles: self.zeros(1)?,
+        let what = "the MoE grouping scratch";
+        let GroupSlots {
+            pair_of_pos,
+            pos_of_pair,
+            offsets,
+            tiles,
+            n_tiles,
+        } = slots;
+        let g = Groups {
+            pair_of_pos: self.grown(pair_of_pos, pairs, what)?,
+            pos_of_pair: self.grown(pos_of_pair, pairs, what)?,
+            offsets: self.grown(offsets, n_local + 1, what)?,
+            tiles: self.grown(tiles, 3 * tiles_max, what)?,
+            n_tiles: self.grown(n_tiles, 1, what)?,
             max_tiles: tiles_max,
         };
         let ints = [
@@ -263,11 +304,11 @@ impl CudaBackend {
         for a in &ints {
             b.arg(a);
         }
-        b.arg(&mut g.pair_of_pos)
-            .arg(&mut g.pos_of_pair)
-            .arg(&mut g.offsets)
-            .arg(&mut g.tiles)
-            .arg(&mut g.n_tiles);
+        b.arg(&mut *g.pair_of_pos)
+            .arg(&mut *g.pos_of_pair)
+            .arg(&mut *g.offsets)
+            .arg(&mut *g.tiles)
+            .arg(&mut *g.n_tiles);
         // SAFETY: as moe.cu declares: one block; ids holds `pairs` values, the outputs their
         // sizes above (tiles for max_tiles, a bound the kernel keeps to); shared 2 * n_local ints.
         unsafe {
@@ -317,9 +358,9 @@ impl CudaBackend {
             .arg(&cols_i)
             .arg(&x.data)
             .arg(&k_i)
-            .arg(&groups.pair_of_pos)
-            .arg(&groups.tiles)
-            .arg(&groups.n_tiles)
+            .arg(&*groups.pair_of_pos)
+            .arg(&*groups.tiles)
+            .arg(&*groups.n_tiles)
             .arg(&mut out.data);
         // SAFETY: as dequant.cu declares: the stacked weights hold n_local * rows rows (the tiles
         // name local experts), x's rows are the pairs' tokens or positions, out holds a row of
@@ -415,14 +456,37 @@ impl CudaBackend {
     }
 }
 
-/// A step's pairs grouped by expert, on the device (moe.cu's kiln_moe_group).
-struct Groups {
-    pair_of_pos: CudaSlice<i32>,
-    pos_of_pair: CudaSlice<i32>,
-    offsets: CudaSlice<i32>,
-    tiles: CudaSlice<i32>,
-    n_tiles: CudaSlice<i32>,
+/// A step's pairs grouped by expert, on the device (moe.cu's kiln_moe_group), in the scratch.
+struct Groups<'s> {
+    pair_of_pos: &'s mut CudaSlice<i32>,
+    pos_of_pair: &'s mut CudaSlice<i32>,
+    offsets: &'s mut CudaSlice<i32>,
+    tiles: &'s mut CudaSlice<i32>,
+    n_tiles: &'s mut CudaSlice<i32>,
     max_tiles: usize,
+}
+
+/// The grouping's arrays, grown to the largest step.
+#[derive(Default)]
+pub(super) struct GroupSlots {
+    pair_of_pos: Option<CudaSlice<i32>>,
+    pos_of_pair: Option<CudaSlice<i32>>,
+    offsets: Option<CudaSlice<i32>>,
+    tiles: Option<CudaSlice<i32>>,
+    n_tiles: Option<CudaSlice<i32>>,
+}
+
+/// The routed experts' per-step arrays: allocated at the largest step seen, so the steps that
+/// follow (and a recorded graph's replays) allocate nothing.
+#[derive(Default)]
+pub struct MoeScratch {
+    ids: Option<CudaSlice<i32>>,
+    weights: Option<CudaSlice<f32>>,
+    groups: GroupSlots,
+    gu: Option<CudaBuffer>,
+    act: Option<CudaBuffer>,
+    y: Option<CudaBuffer>,
+    xs: Option<CudaBuffer>,
 }
 
 /// Kimi-K2's routed experts (one layer, 384 INT4 experts, 8 a token) timed on GPU 0 at batch 1

@@ -317,7 +317,8 @@ fn per_head_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String
 
 /// MoE's routed experts: grouped routing with a correction bias, every expert held and a
 /// rank's contiguous share of them, a decode step (the device's grouped kernels) and a prefill
-/// (per-expert GEMMs), experts packed as stored and in bf16.
+/// (300 tokens: 1,200 pairs, past the grouped kernels, so per-expert GEMMs), experts packed as
+/// stored and in bf16.
 fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
     let spec = crate::backend::RouteSpec {
         n_experts: 16,
@@ -349,7 +350,7 @@ fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(S
             })
             .collect::<Result<Vec<_>>>()?;
         let experts = b.experts(experts, Precision::Exact)?;
-        for n in [3usize, 80] {
+        for n in [3usize, 300] {
             let h = buffer(b, n, hidden, &random(rng, n * hidden, 1.0))?;
             let logits = buffer(b, n, spec.n_experts, &random(rng, n * spec.n_experts, 4.0))?;
             let mut y = buffer(b, n, hidden, &random(rng, n * hidden, 1.0))?;
