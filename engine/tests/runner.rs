@@ -26,9 +26,18 @@ fn runner_at(spec: SpecConfig, sampling: SamplingSite) -> Box<dyn ModelRunner> {
 }
 
 fn runner_with(spec: SpecConfig, sampling: SamplingSite, graphs: GraphUse) -> Box<dyn ModelRunner> {
+    runner_of(common::smollm2(), spec, sampling, graphs)
+}
+
+fn runner_of(
+    model: std::path::PathBuf,
+    spec: SpecConfig,
+    sampling: SamplingSite,
+    graphs: GraphUse,
+) -> Box<dyn ModelRunner> {
     let load = LoadSpec {
         device: Device::Cpu,
-        model: common::smollm2(),
+        model,
         precision: Precision::Exact,
         threads: Some(2),
         tensor_parallel: 1,
@@ -461,6 +470,28 @@ fn decode_steps_padded_to_graph_buckets_keep_every_token() {
         let mut padded = load(GraphUse::PadOnly { max_bs: 8 }, sampling);
         let (got, buckets) = batch_run(padded.as_mut(), &prompts, 10);
         // The prefill step is eager; every decode step of three ran as a bucket of four.
+        assert_eq!(buckets[0], None);
+        assert!(buckets[1..].iter().all(|&b| b == Some(4)), "{buckets:?}");
+        assert_eq!(got, want, "padding changed the tokens ({sampling:?})");
+    }
+}
+
+/// The same on a tiny DeepSeek-V3 (MLA + MoE, which graphs now cover): padded decode steps
+/// route the padding's tokens too, and the real sequences' tokens do not move.
+#[test]
+fn mla_and_moe_decode_steps_padded_to_graph_buckets_keep_every_token() {
+    let model = common::tiny_with_tokenizer("deepseek-v3");
+    let load = |graphs, sampling| runner_of(model.clone(), SpecConfig::default(), sampling, graphs);
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 17, 42, 8, 99], vec![3, 3, 60], vec![71, 2, 30, 11]];
+    let (want, buckets) = batch_run(
+        load(GraphUse::Off, SamplingSite::Auto).as_mut(),
+        &prompts,
+        8,
+    );
+    assert!(buckets.iter().all(Option::is_none));
+    for sampling in [SamplingSite::Auto, SamplingSite::Backend] {
+        let mut padded = load(GraphUse::PadOnly { max_bs: 8 }, sampling);
+        let (got, buckets) = batch_run(padded.as_mut(), &prompts, 8);
         assert_eq!(buckets[0], None);
         assert!(buckets[1..].iter().all(|&b| b == Some(4)), "{buckets:?}");
         assert_eq!(got, want, "padding changed the tokens ({sampling:?})");

@@ -224,6 +224,10 @@ pub trait Backend: Send + Sync {
     fn vector_from_host(&self, values: &[f32]) -> Result<Self::Vector>;
     /// A buffer of `n_rows * width` zeros.
     fn buffer(&self, n_rows: usize, width: usize) -> Result<Self::Buffer>;
+    /// Gives `buf` the shape `[n_rows, width]`, growing its allocation only when it must (new
+    /// cells are zeros; what it held stays unspecified): buffers kept across steps allocate
+    /// nothing once the largest step has run.
+    fn reshape(&self, buf: &mut Self::Buffer, n_rows: usize, width: usize) -> Result<()>;
     /// The paged KV cache. `precision` lets a backend store it narrower in fast mode (the CPU
     /// backend keeps f16 cells where its AVX-512 kernel reads them; exact mode is always f32).
     fn kv_store(

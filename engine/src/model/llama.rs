@@ -6,7 +6,7 @@
 //! sequences of different lengths in one step.
 
 use super::config::{ModelConfig, RopeLayout};
-use super::mla::{MlaForm, MlaTensors, MlaWeights, QueryTensors, join_kv_b};
+use super::mla::{MlaForm, MlaScratch, MlaTensors, MlaWeights, QueryTensors, join_kv_b};
 use super::moe::{Expert, MoeWeights};
 use crate::backend::{Backend, ExpertTensors, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
@@ -88,6 +88,10 @@ pub struct Workspace<B: Backend> {
     act: B::Buffer,
     /// The rows the LM head reads.
     last: B::Buffer,
+    /// MLA's activations (made at an MLA model's first step).
+    mla: Option<MlaScratch<B>>,
+    /// The MoE router's logits.
+    router_logits: B::Buffer,
     /// Target layers whose incoming residual stream the step keeps (EAGLE-3's auxiliary hidden
     /// states; `n_layers` names the model's output after the final norm). Empty: none.
     pub capture_layers: Vec<usize>,
@@ -112,6 +116,8 @@ impl<B: Backend> Workspace<B> {
             gate_up: backend.buffer(0, 0)?,
             act: backend.buffer(0, 0)?,
             last: backend.buffer(0, 0)?,
+            mla: None,
+            router_logits: backend.buffer(0, 0)?,
             capture_layers: Vec::new(),
             captured: Vec::new(),
         })
@@ -591,6 +597,12 @@ impl<B: Backend> Llama<B> {
             gate_up: backend.buffer(max_tokens, 2 * ffn)?,
             act: backend.buffer(max_tokens, ffn)?,
             last: backend.buffer(max_tokens, c.hidden_size)?,
+            mla: c
+                .mla
+                .as_ref()
+                .map(|_| MlaScratch::new(backend))
+                .transpose()?,
+            router_logits: backend.buffer(0, 0)?,
             capture_layers: Vec::new(),
             captured: Vec::new(),
         })
@@ -750,6 +762,10 @@ impl<B: Backend> Llama<B> {
                     let mla = c.mla.as_ref().ok_or_else(|| {
                         Error::InvalidRequest("an MLA layer without an MLA config".into())
                     })?;
+                    let scratch = match &mut ws.mla {
+                        Some(s) => s,
+                        none => none.insert(MlaScratch::new(backend)?),
+                    };
                     m.forward(
                         backend,
                         mla,
@@ -762,6 +778,7 @@ impl<B: Backend> Llama<B> {
                         batch.spans,
                         &meta,
                         self.mla_form,
+                        scratch,
                         &mut ws.proj,
                     )?;
                 }
@@ -777,7 +794,16 @@ impl<B: Backend> Llama<B> {
                     let cfg = c.moe.as_ref().ok_or_else(|| {
                         Error::InvalidRequest("a MoE layer without a MoE config".into())
                     })?;
-                    moe.forward(backend, cfg, &ws.h, n, c.hidden_size, &mut ws.proj)?;
+                    moe.forward(
+                        backend,
+                        cfg,
+                        &ws.h,
+                        n,
+                        c.hidden_size,
+                        &mut ws.router_logits,
+                        (&mut ws.gate_up, &mut ws.act),
+                        &mut ws.proj,
+                    )?;
                 }
             }
             reduce(ws)?;

@@ -48,6 +48,37 @@ pub struct MlaWeights<B: Backend> {
     o: B::Matrix,
 }
 
+/// One MLA layer's activations, kept across layers and steps: a step allocates nothing once the
+/// largest has run (what a recorded graph's replays need).
+pub struct MlaScratch<B: Backend> {
+    q: B::Buffer,
+    qa: B::Buffer,
+    qn: B::Buffer,
+    ckv: B::Buffer,
+    latent: B::Buffer,
+    latent_normed: B::Buffer,
+    qkv: B::Buffer,
+    latents: B::Buffer,
+    values: B::Buffer,
+}
+
+impl<B: Backend> MlaScratch<B> {
+    pub fn new(backend: &B) -> Result<Self> {
+        let empty = || backend.buffer(0, 0);
+        Ok(MlaScratch {
+            q: empty()?,
+            qa: empty()?,
+            qn: empty()?,
+            ckv: empty()?,
+            latent: empty()?,
+            latent_normed: empty()?,
+            qkv: empty()?,
+            latents: empty()?,
+            values: empty()?,
+        })
+    }
+}
+
 /// Which form a step's attention takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum MlaForm {
@@ -178,6 +209,7 @@ impl<B: Backend> MlaWeights<B> {
         spans: &[SeqSpan<'_>],
         meta: &B::StepMeta<'_>,
         form: MlaForm,
+        scratch: &mut MlaScratch<B>,
         out: &mut B::Buffer,
     ) -> Result<()> {
         let n = positions.len();
@@ -190,44 +222,52 @@ impl<B: Backend> MlaWeights<B> {
         );
         let head = p + r;
         let q_head = nope + p;
-        let mut q = backend.buffer(0, 0)?;
+        let MlaScratch {
+            q,
+            qa,
+            qn,
+            ckv,
+            latent,
+            latent_normed,
+            qkv,
+            latents,
+            values,
+        } = scratch;
         match &self.q {
-            QueryProj::Direct(w) => backend.matmul(h, w, &mut q)?,
+            QueryProj::Direct(w) => backend.matmul(h, w, q)?,
             QueryProj::LowRank { a, norm, b } => {
-                let (mut qa, mut qn) = (backend.buffer(0, 0)?, backend.buffer(0, 0)?);
-                backend.matmul(h, a, &mut qa)?;
-                backend.rms_norm(&qa, norm, eps, &mut qn)?;
-                backend.matmul(&qn, b, &mut q)?;
+                backend.matmul(h, a, qa)?;
+                backend.rms_norm(qa, norm, eps, qn)?;
+                backend.matmul(qn, b, q)?;
             }
         }
-        let mut ckv = backend.buffer(0, 0)?;
-        backend.matmul(h, &self.kv_a, &mut ckv)?;
-        let mut latent = backend.buffer(n, r)?;
-        backend.copy_columns(&ckv, 0, &mut latent, 0, r)?;
-        let mut latent_normed = backend.buffer(0, 0)?;
-        backend.rms_norm(&latent, &self.kv_a_norm, eps, &mut latent_normed)?;
+        backend.matmul(h, &self.kv_a, ckv)?;
+        backend.reshape(latent, n, r)?;
+        backend.copy_columns(ckv, 0, latent, 0, r)?;
+        backend.rms_norm(latent, &self.kv_a_norm, eps, latent_normed)?;
 
         // [q heads of (pe | latent) | k = (pe | latent) | v = (0 | latent)]; the queries are
         // filled in only for the absorbed form, after the form is chosen.
         let q_width = n_heads * head;
-        let mut qkv = backend.buffer(n, q_width + 2 * head)?;
-        backend.copy_columns(&ckv, r, &mut qkv, q_width, p)?;
-        backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + p, r)?;
-        backend.copy_columns(&latent_normed, 0, &mut qkv, q_width + head + p, r)?;
-        backend.rope(&mut qkv, q_width, 1, meta, rope)?;
+        // (V's rotary columns are never written: zeros, as the buffer grew.)
+        backend.reshape(qkv, n, q_width + 2 * head)?;
+        backend.copy_columns(ckv, r, qkv, q_width, p)?;
+        backend.copy_columns(latent_normed, 0, qkv, q_width + p, r)?;
+        backend.copy_columns(latent_normed, 0, qkv, q_width + head + p, r)?;
+        backend.rope(qkv, q_width, 1, meta, rope)?;
         let fresh = spans
             .iter()
             .all(|s| s.start_pos == 0 && s.tree.is_none() && s.n_tokens > 1);
         let explicit = form == MlaForm::Auto && fresh && v <= q_head;
         if explicit {
-            backend.store_kv(&qkv, kv, layer, meta, q_width)?;
+            backend.store_kv(qkv, kv, layer, meta, q_width)?;
             let values = self.explicit(
                 backend,
                 m,
                 rope,
-                &q,
-                &latent_normed,
-                &qkv,
+                q,
+                latent_normed,
+                qkv,
                 q_width,
                 positions,
                 spans,
@@ -239,30 +279,30 @@ impl<B: Backend> MlaWeights<B> {
         let q_heads = HeadColumns::new(0, q_head);
         let qkv_heads = HeadColumns::new(0, head);
         backend.copy_head_columns(
-            &q,
+            q,
             HeadColumns::new(nope, q_head),
-            &mut qkv,
+            qkv,
             qkv_heads,
             p,
             n_heads,
         )?;
-        backend.matmul_heads(&q, q_heads, &self.uk, &mut qkv, HeadColumns::new(p, head))?;
-        backend.rope(&mut qkv, 0, n_heads, meta, rope)?;
+        backend.matmul_heads(q, q_heads, &self.uk, qkv, HeadColumns::new(p, head))?;
+        backend.rope(qkv, 0, n_heads, meta, rope)?;
         // The attention op scales by 1/sqrt(head width); MLA's scale is over the uncompressed
         // query width (and YaRN's mscale).
-        backend.scale_columns(&mut qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt())?;
-        let mut latents = backend.buffer(n, n_heads * r)?;
-        backend.latent_attention(&qkv, kv, layer, meta, n_heads, head, p, &mut latents)?;
+        backend.scale_columns(qkv, 0, q_width, m.softmax_scale * (head as f32).sqrt())?;
+        backend.reshape(latents, n, n_heads * r)?;
+        backend.latent_attention(qkv, kv, layer, meta, n_heads, head, p, latents)?;
 
-        let mut values = backend.buffer(n, n_heads * v)?;
+        backend.reshape(values, n, n_heads * v)?;
         backend.matmul_heads(
-            &latents,
+            latents,
             HeadColumns::new(0, r),
             &self.uv,
-            &mut values,
+            values,
             HeadColumns::new(0, v),
         )?;
-        backend.matmul(&values, &self.o, out)?;
+        backend.matmul(values, &self.o, out)?;
         Ok(())
     }
 

@@ -80,7 +80,8 @@ impl<B: Backend> MoeWeights<B> {
     }
 
     /// `out = shared(h) + sum over routed experts e of weight_e * e(h)`, for the experts this
-    /// rank holds. `n` is the number of rows of `h`.
+    /// rank holds. `n` is the number of rows of `h`; `logits`, `gate_up` and `act` are scratch.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         backend: &B,
@@ -88,22 +89,21 @@ impl<B: Backend> MoeWeights<B> {
         h: &B::Buffer,
         n: usize,
         hidden: usize,
+        logits: &mut B::Buffer,
+        (gate_up, act): (&mut B::Buffer, &mut B::Buffer),
         out: &mut B::Buffer,
     ) -> Result<()> {
-        let mut logits = backend.buffer(0, 0)?;
-        backend.matmul(h, &self.router, &mut logits)?;
+        backend.matmul(h, &self.router, logits)?;
         match &self.shared {
-            Some(s) => {
-                let (mut gu, mut act) = (backend.buffer(0, 0)?, backend.buffer(0, 0)?);
-                s.forward(backend, h, &mut gu, &mut act, out)?
-            }
+            Some(s) => s.forward(backend, h, gate_up, act, out)?,
+            // (Every DeepSeek-V3 and Kimi-K2 layer has a shared expert; this allocates.)
             None => *out = backend.buffer(n, hidden)?,
         }
         backend.routed_experts(
             &route_spec(cfg),
             &self.correction_bias,
             h,
-            &logits,
+            logits,
             &self.experts,
             out,
         )

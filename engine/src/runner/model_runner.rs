@@ -109,8 +109,9 @@ impl<B: Backend> Runner<B> {
     }
 
     /// The decode graphs this runner uses: recorded ones on a backend that records them, for a
-    /// model whose forward has no host round trip (MoE routing reads the router's logits on the
-    /// host; MLA is not graphed yet), without tensor parallelism.
+    /// model whose decode step neither waits for the host nor allocates once warm (MLA and MoE
+    /// keep their activations across steps and route on the device; a MoE layer without a
+    /// shared expert still allocates its output), without tensor parallelism.
     fn decode_graphs(model: &LoadedModel<B>, cfg: &RunnerConfig, tp: bool) -> Option<DecodeGraphs> {
         let c = model.config();
         let (max_bs, record) = match cfg.graphs {
@@ -118,7 +119,7 @@ impl<B: Backend> Runner<B> {
             GraphUse::PadOnly { max_bs } => (max_bs, false),
             GraphUse::Record { max_bs } => (max_bs, true),
         };
-        let graphable = !tp && c.moe.is_none() && c.mla.is_none();
+        let graphable = !tp && c.moe.as_ref().is_none_or(|m| m.n_shared_experts > 0);
         if max_bs == 0 || !graphable || (record && !model.backend.records_graphs()) {
             return None;
         }

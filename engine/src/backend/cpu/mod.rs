@@ -161,6 +161,11 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn reshape(&self, buf: &mut CpuBuffer, n_rows: usize, width: usize) -> Result<()> {
+        buf.resize(n_rows, width);
+        Ok(())
+    }
+
     fn kv_store(
         &self,
         n_layers: usize,

@@ -886,6 +886,10 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn reshape(&self, buf: &mut CudaBuffer, n_rows: usize, width: usize) -> Result<()> {
+        self.shape(buf, n_rows, width)
+    }
+
     fn kv_store(
         &self,
         n_layers: usize,

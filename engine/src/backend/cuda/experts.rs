@@ -11,6 +11,7 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, Weights, cfg, dev, int};
+use super::graphs::GraphMode;
 use crate::backend::{Backend, ExpertTensors, Precision, RouteSpec};
 use crate::bench::moe_layer::{self, MoeLayerPoint, MoeLayerShape};
 use crate::error::{Error, Result};
@@ -198,7 +199,9 @@ impl CudaBackend {
         // cuBLASLt's views of an expert's run start 256-byte aligned only where both widths
         // are multiples of 128 (every MoE model's are; tiny test models' need not be).
         let aligned = hidden.is_multiple_of(128) && inter.is_multiple_of(128);
-        if pairs <= DEVICE_GROUPED_MAX_PAIRS || !aligned {
+        // A graph's steps cannot wait for the counts: they stay on the grouped kernels.
+        let graphed = !matches!(self.graph_mode()?, GraphMode::Eager);
+        if pairs <= DEVICE_GROUPED_MAX_PAIRS || !aligned || graphed {
             self.shape(gu, pairs, 2 * inter)?;
             self.grouped_matmul(gate_up, h, k, &groups, pairs, gu)?;
             self.silu_mul(gu, act)?;
