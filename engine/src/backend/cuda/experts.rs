@@ -208,9 +208,10 @@ impl CudaBackend {
             self.shape(y, pairs, hidden)?;
             self.grouped_matmul(down, act, 0, &groups, pairs, y)?;
         } else {
+            // Only this layer's counts: the slot may be longer (another layer held more experts).
             let offsets = self
                 .stream()
-                .clone_dtoh(groups.offsets)
+                .clone_dtoh(&groups.offsets.slice(..experts.n_local + 1))
                 .map_err(dev("copy of the expert counts to the host"))?;
             let held = offsets[experts.n_local].max(0) as usize;
             if held == 0 {
@@ -411,6 +412,14 @@ impl CudaBackend {
             let (start, end) = (run[0].max(0) as usize, run[1].max(0) as usize);
             if end <= start {
                 continue;
+            }
+            // Slices past an allocation would panic in cudarc: refuse them by name instead.
+            if (e + 1) * rows > w.rows || end > x.rows || end > out.rows {
+                return Err(Error::Device(format!(
+                    "per-expert GEMM: expert {e}'s run {start}..{end} outside [{}, {}] rows of \
+                     input and output, {} rows of weights",
+                    x.rows, out.rows, w.rows
+                )));
             }
             let c = end - start;
             let xv = x.data.slice(start * cols..end * cols);
