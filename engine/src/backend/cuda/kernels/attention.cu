@@ -138,24 +138,7 @@ extern "C" __global__ void kiln_paged_attention_bf16(
             s_s[idx] = s;
         }
         __syncthreads();
-        for (int g = tid; g < group; g += KILN_ATTN_THREADS) {
-            float* sg = s_s + g * KILN_ATTN_TILE;
-            float tile_max = -KILN_INF;
-            for (int j = 0; j < KILN_ATTN_TILE; j++) tile_max = fmaxf(tile_max, sg[j]);
-            const float m_old = m_s[g];
-            const float m_new = fmaxf(m_old, tile_max);
-            // Nothing visible yet (a tree token's masked tile): keep the state as it is.
-            const float corr = m_new == -KILN_INF ? 1.0f : __expf(m_old - m_new);
-            float sum = 0.0f;
-            for (int j = 0; j < KILN_ATTN_TILE; j++) {
-                const float e = sg[j] == -KILN_INF ? 0.0f : __expf(sg[j] - m_new);
-                sg[j] = e;
-                sum += e;
-            }
-            l_s[g] = l_s[g] * corr + sum;
-            m_s[g] = m_new;
-            c_s[g] = corr;
-        }
+        online_softmax_tile(s_s, m_s, l_s, c_s, group, KILN_ATTN_TILE, tid, KILN_ATTN_THREADS);
         __syncthreads();
 #pragma unroll
         for (int k = 0; k < KILN_ATTN_MAX_OUT; k++) {

@@ -53,3 +53,29 @@ __device__ float block_reduce(float v, Op op, float identity) {
 
 __device__ float block_sum(float v) { return block_reduce(v, SumOp(), 0.0f); }
 __device__ float block_max(float v) { return block_reduce(v, MaxOp(), -KILN_INF); }
+
+// One tile's step of an online softmax for `heads` rows of `tile` scores each (s[g * tile + j],
+// -inf where masked), one thread per row: each row's scores become their exponentials against
+// the new running max m[g], the running sum l[g] is rescaled and extended, and c[g] gets the
+// factor the row's accumulated output must be rescaled by. A row with nothing visible yet keeps
+// its state (c = 1). Callers synchronize before and after.
+__device__ __forceinline__ void online_softmax_tile(float* s, float* m, float* l, float* c,
+                                                    int heads, int tile, int tid, int threads) {
+    for (int g = tid; g < heads; g += threads) {
+        float* sg = s + g * tile;
+        float tile_max = -KILN_INF;
+        for (int j = 0; j < tile; j++) tile_max = fmaxf(tile_max, sg[j]);
+        const float m_old = m[g];
+        const float m_new = fmaxf(m_old, tile_max);
+        const float corr = m_new == -KILN_INF ? 1.0f : __expf(m_old - m_new);
+        float sum = 0.0f;
+        for (int j = 0; j < tile; j++) {
+            const float e = sg[j] == -KILN_INF ? 0.0f : __expf(sg[j] - m_new);
+            sg[j] = e;
+            sum += e;
+        }
+        l[g] = l[g] * corr + sum;
+        m[g] = m_new;
+        c[g] = corr;
+    }
+}

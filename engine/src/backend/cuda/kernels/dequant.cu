@@ -207,6 +207,39 @@ __device__ __forceinline__ void packed_chunk(const u8* row, int format, int widt
     }
 }
 
+// One warp's row of weights against up to KILN_PACKED_TOKENS token rows: acc[t] gets the warp's
+// sum of w[c] * xr[t][c] for t < nt (every lane holds it after the shuffles). Formats 0 and 1
+// read whole 32-value chunks, lanes striding over them; format 2 (bf16 rows of any length)
+// single values. xr[t] for t >= nt are never read.
+__device__ __forceinline__ void row_times_tokens(const u8* wr, int format, int width, int cols,
+                                                 const bf16* const* xr, int nt, float* acc) {
+    const int lane = threadIdx.x & 31;
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) acc[t] = 0.f;
+    if (format == 2) {
+        const bf16* wb = (const bf16*)wr;
+        for (int c = lane; c < cols; c += 32) {
+            const float wv = bf16_to_f32(wb[c]);
+            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+                if (t >= nt) break;
+                acc[t] += wv * bf16_to_f32(xr[t][c]);
+            }
+        }
+    } else {
+        float v[32];
+        for (int c = lane; c < cols / 32; c += 32) {
+            packed_chunk(wr, format, width, c, v);
+            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
+                if (t >= nt) break;
+                const bf16* xc = xr[t] + c * 32;
+                float s = 0.f;
+                for (int j = 0; j < 32; j++) s += v[j] * bf16_to_f32(xc[j]);
+                acc[t] += s;
+            }
+        }
+    }
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) acc[t] = warp_sum(acc[t]);
+}
+
 extern "C" __global__ void kiln_packed_matmul_bf16(const u8* __restrict__ w, int format, int width,
                                                    long row_bytes, int rows, int cols,
                                                    const bf16* __restrict__ x, int n,
@@ -218,23 +251,12 @@ extern "C" __global__ void kiln_packed_matmul_bf16(const u8* __restrict__ w, int
     const int t0 = blockIdx.y * KILN_PACKED_TOKENS;
     const int nt = min(KILN_PACKED_TOKENS, n - t0);
     const u8* wr = w + (long)row * row_bytes;
+    const bf16* xr[KILN_PACKED_TOKENS];
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) xr[t] = x + (long)(t0 + min(t, nt - 1)) * cols;
     float acc[KILN_PACKED_TOKENS];
-    for (int t = 0; t < KILN_PACKED_TOKENS; t++) acc[t] = 0.f;
-    float v[32];
-    for (int c = lane; c < cols / 32; c += 32) {
-        packed_chunk(wr, format, width, c, v);
-        for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
-            if (t >= nt) break;
-            const bf16* xr = x + (long)(t0 + t) * cols + c * 32;
-            float s = 0.f;
-            for (int j = 0; j < 32; j++) s += v[j] * bf16_to_f32(xr[j]);
-            acc[t] += s;
-        }
-    }
-    for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
-        const float s = warp_sum(acc[t]);
-        if (lane == 0 && t < nt) out[(long)(t0 + t) * rows + row] = f32_to_bf16(s);
-    }
+    row_times_tokens(wr, format, width, cols, xr, nt, acc);
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++)
+        if (lane == 0 && t < nt) out[(long)(t0 + t) * rows + row] = f32_to_bf16(acc[t]);
 }
 
 // One matrix per head (MLA's absorbed W_UK^T and W_UV, stacked head after head: head h's rows are
@@ -257,36 +279,14 @@ extern "C" __global__ void kiln_head_matmul_bf16(const u8* __restrict__ w, int f
     const int nt = min(KILN_PACKED_TOKENS, n - t0);
     const u8* wr = w + ((long)h * rows + row) * row_bytes;
     const bf16* xh = x + x_first + (long)h * x_head;
+    const bf16* xr[KILN_PACKED_TOKENS];
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++) xr[t] = xh + (long)(t0 + min(t, nt - 1)) * x_stride;
     float acc[KILN_PACKED_TOKENS];
-    for (int t = 0; t < KILN_PACKED_TOKENS; t++) acc[t] = 0.f;
-    if (format == 2) {
-        // bf16 rows of any length: lanes stride over single values.
-        const bf16* wb = (const bf16*)wr;
-        for (int c = lane; c < cols; c += 32) {
-            const float wv = bf16_to_f32(wb[c]);
-            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
-                if (t >= nt) break;
-                acc[t] += wv * bf16_to_f32(xh[(long)(t0 + t) * x_stride + c]);
-            }
-        }
-    } else {
-        float v[32];
-        for (int c = lane; c < cols / 32; c += 32) {
-            packed_chunk(wr, format, width, c, v);
-            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
-                if (t >= nt) break;
-                const bf16* xr = xh + (long)(t0 + t) * x_stride + c * 32;
-                float s = 0.f;
-                for (int j = 0; j < 32; j++) s += v[j] * bf16_to_f32(xr[j]);
-                acc[t] += s;
-            }
-        }
-    }
-    for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
-        const float s = warp_sum(acc[t]);
+    row_times_tokens(wr, format, width, cols, xr, nt, acc);
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++)
         if (lane == 0 && t < nt)
-            out[(long)(t0 + t) * out_stride + out_first + (long)h * out_head + row] = f32_to_bf16(s);
-    }
+            out[(long)(t0 + t) * out_stride + out_first + (long)h * out_head + row] =
+                f32_to_bf16(acc[t]);
 }
 
 // The grouped expert matmul at decode sizes: block row y takes tile y (an expert and a run of
@@ -317,33 +317,9 @@ extern "C" __global__ void kiln_moe_matmul_bf16(const u8* __restrict__ w, int fo
         xr[t] = x + src * cols;
     }
     float acc[KILN_PACKED_TOKENS];
-    for (int t = 0; t < KILN_PACKED_TOKENS; t++) acc[t] = 0.f;
-    if (format == 2) {
-        const bf16* wb = (const bf16*)wr;
-        for (int c = lane; c < cols; c += 32) {
-            const float wv = bf16_to_f32(wb[c]);
-            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
-                if (t >= nt) break;
-                acc[t] += wv * bf16_to_f32(xr[t][c]);
-            }
-        }
-    } else {
-        float v[32];
-        for (int c = lane; c < cols / 32; c += 32) {
-            packed_chunk(wr, format, width, c, v);
-            for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
-                if (t >= nt) break;
-                const bf16* xc = xr[t] + c * 32;
-                float s = 0.f;
-                for (int j = 0; j < 32; j++) s += v[j] * bf16_to_f32(xc[j]);
-                acc[t] += s;
-            }
-        }
-    }
-    for (int t = 0; t < KILN_PACKED_TOKENS; t++) {
-        const float s = warp_sum(acc[t]);
-        if (lane == 0 && t < nt) out[(long)(start + t) * rows + row] = f32_to_bf16(s);
-    }
+    row_times_tokens(wr, format, width, cols, xr, nt, acc);
+    for (int t = 0; t < KILN_PACKED_TOKENS; t++)
+        if (lane == 0 && t < nt) out[(long)(start + t) * rows + row] = f32_to_bf16(acc[t]);
 }
 
 // Stored Q4_0 blocks (18 bytes: an f16 scale, 16 bytes of nibbles) into Q4 rows (format 0 above):
