@@ -58,6 +58,26 @@ pub struct CudaMatrix {
     pub cols: usize,
 }
 
+impl CudaMatrix {
+    /// `(format, width, bytes per row)` as dequant.cu's row kernels take them: the packed
+    /// layout's own, or format 2 for bf16 rows.
+    pub(super) fn row_kernel_args(&self) -> (i32, i32, i64) {
+        match &self.weights {
+            Weights::Packed { format, .. } => format.kernel_args(self.cols),
+            Weights::Bf16(_) => (2, 0, (self.cols * 2) as i64),
+        }
+    }
+
+    /// Pushes the weights' device address (packed bytes or bf16 values) onto a row kernel's
+    /// launch.
+    pub(super) fn push_rows<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        match &self.weights {
+            Weights::Packed { bytes, .. } => b.arg(bytes),
+            Weights::Bf16(data) => b.arg(data),
+        };
+    }
+}
+
 /// A matrix's values on the device.
 pub(super) enum Weights {
     /// Row-major bf16: cuBLASLt multiplies it, `embed` reads its rows.

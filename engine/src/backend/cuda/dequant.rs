@@ -107,7 +107,7 @@ impl CudaBackend {
                 "{total} bytes of {format:?} for [{rows}, {cols}]"
             )));
         }
-        let (_, scales, row_bytes) = format.kernel_args(cols);
+        let (_, _, row_bytes) = format.kernel_args(cols);
         let row_bytes = row_bytes as usize;
         // Part by part into one allocation: a layer's experts never gather in host memory.
         let mut bytes = self.zeros::<u8>(rows * row_bytes)?;
@@ -126,7 +126,7 @@ impl CudaBackend {
                     .map_err(dev("copy of packed weights to the device"))?,
                 PackedFormat::Q4_0 => {
                     let stored = self.upload(src)?;
-                    self.q4_0_to_rows(&stored, part_rows, cols, scales, &mut dst)?;
+                    self.q4_0_to_rows(&stored.slice(..), (part_rows, cols), &mut dst)?;
                 }
             }
             at += part_rows * row_bytes;
@@ -201,56 +201,60 @@ impl CudaBackend {
             PackedFormat::F8Blocks(width) => {
                 self.dequantize_f8_blocks(src, width, rows * cols, dst)
             }
-            PackedFormat::Q4_0 => {
-                let (_, scales, row_bytes) = format.kernel_args(cols);
-                let (cols_i, n_blocks) = (cols as i32, (rows * cols / 32) as i64);
-                let mut b = self
-                    .stream()
-                    .launch_builder(self.f("kiln_dequant_q4_rows_bf16")?);
-                b.arg(src)
-                    .arg(&cols_i)
-                    .arg(&scales)
-                    .arg(&row_bytes)
-                    .arg(&n_blocks)
-                    .arg(dst);
-                // SAFETY: `src` holds `rows` whole rows of row_bytes (the caller sliced them) and
-                // `dst` rows * cols values; one thread per 32-value block.
-                unsafe {
-                    self.launch(
-                        &mut b,
-                        cfg(((n_blocks as usize).div_ceil(256), 1, 1), 256, 0),
-                        "packed widen launch",
-                    )
-                }
-            }
+            PackedFormat::Q4_0 => self.q4_block_kernel(
+                "kiln_dequant_q4_rows_bf16",
+                src,
+                (rows, cols),
+                dst,
+                "packed widen launch",
+            ),
         }
     }
 
     /// Stored Q4_0 rows (on the device) into the device's row layout: scales, then nibbles.
     fn q4_0_to_rows(
         &self,
-        stored: &cudarc::driver::CudaSlice<u8>,
-        rows: usize,
-        cols: usize,
-        scales: i32,
+        stored: &cudarc::driver::CudaView<u8>,
+        (rows, cols): (usize, usize),
         dst: &mut CudaViewMut<u8>,
     ) -> Result<()> {
-        let (_, _, row_bytes) = PackedFormat::Q4_0.kernel_args(cols);
+        self.q4_block_kernel(
+            "kiln_q4_0_to_rows",
+            stored,
+            (rows, cols),
+            dst,
+            "Q4_0 relayout launch",
+        )
+    }
+
+    /// One of dequant.cu's Q4-row block kernels (`kiln_q4_0_to_rows`,
+    /// `kiln_dequant_q4_rows_bf16`): one thread per 32-value block of `rows` rows of `cols`, with
+    /// the row layout's arguments (columns, scale bytes, bytes per row, blocks).
+    fn q4_block_kernel<T: cudarc::driver::DeviceRepr>(
+        &self,
+        kernel: &str,
+        src: &cudarc::driver::CudaView<u8>,
+        (rows, cols): (usize, usize),
+        dst: &mut CudaViewMut<T>,
+        what: &'static str,
+    ) -> Result<()> {
+        let (_, scales, row_bytes) = PackedFormat::Q4_0.kernel_args(cols);
         let (cols_i, n_blocks) = (cols as i32, (rows * cols / 32) as i64);
-        let mut b = self.stream().launch_builder(self.f("kiln_q4_0_to_rows")?);
-        b.arg(stored)
+        let mut b = self.stream().launch_builder(self.f(kernel)?);
+        b.arg(src)
             .arg(&cols_i)
             .arg(&scales)
             .arg(&row_bytes)
             .arg(&n_blocks)
             .arg(dst);
-        // SAFETY: `stored` holds rows * cols / 32 blocks of 18 bytes (its length was checked
-        // against the part's shape), `dst` rows * row_bytes bytes; one thread per block.
+        // SAFETY: both kernels read `rows` rows of `src` (whole stored blocks or whole Q4 rows,
+        // as the callers sliced them) and write `rows` rows of `dst` in the other layout; one
+        // thread per block.
         unsafe {
             self.launch(
                 &mut b,
                 cfg(((n_blocks as usize).div_ceil(256), 1, 1), 256, 0),
-                "Q4_0 relayout launch",
+                what,
             )
         }
     }

@@ -343,18 +343,12 @@ impl CudaBackend {
                 x.rows, out.rows, w.cols
             )));
         }
-        let (format, width, row_bytes) = match &w.weights {
-            Weights::Packed { format, .. } => format.kernel_args(cols),
-            Weights::Bf16(_) => (2, 0, (cols * 2) as i64),
-        };
+        let (format, width, row_bytes) = w.row_kernel_args();
         let (rows_i, cols_i, k_i) = (int(rows), int(cols), int(gather_k));
         let mut b = self
             .stream()
             .launch_builder(self.f("kiln_moe_matmul_bf16")?);
-        match &w.weights {
-            Weights::Packed { bytes, .. } => b.arg(bytes),
-            Weights::Bf16(data) => b.arg(data),
-        };
+        w.push_rows(&mut b);
         b.arg(&format)
             .arg(&width)
             .arg(&row_bytes)

@@ -6,7 +6,7 @@
 use cudarc::driver::PushKernelArg;
 
 use super::backend::{
-    CudaBackend, CudaBuffer, CudaKvStore, CudaMatrix, CudaStepMeta, Weights, cfg, int, split_parts,
+    CudaBackend, CudaBuffer, CudaKvStore, CudaMatrix, CudaStepMeta, cfg, int, split_parts,
 };
 use crate::backend::{Backend, HeadColumns, Precision};
 use crate::error::{Error, Result};
@@ -119,11 +119,7 @@ impl CudaBackend {
         if x.rows == 0 || heads == 0 {
             return Ok(());
         }
-        // Format 2: bf16 rows, as the kernel reads them.
-        let (format, width, row_bytes) = match &w.stacked.weights {
-            Weights::Packed { format, .. } => format.kernel_args(cols),
-            Weights::Bf16(_) => (2, 0, (cols * 2) as i64),
-        };
+        let (format, width, row_bytes) = w.stacked.row_kernel_args();
         let ints = [
             int(rows),
             int(cols),
@@ -138,10 +134,7 @@ impl CudaBackend {
         let mut b = self
             .stream()
             .launch_builder(self.f("kiln_head_matmul_bf16")?);
-        match &w.stacked.weights {
-            Weights::Packed { bytes, .. } => b.arg(bytes),
-            Weights::Bf16(data) => b.arg(data),
-        };
+        w.stacked.push_rows(&mut b);
         b.arg(&format).arg(&width).arg(&row_bytes);
         b.arg(&ints[0]).arg(&ints[1]).arg(&x.data);
         for a in &ints[2..6] {
