@@ -91,7 +91,8 @@ pub fn measure<B: Backend>(
         .collect();
     let experts = b.experts(held, Precision::Fast)?;
     let spec = shape.spec();
-    let bias = b.vector_from_host(&vec![0.0; shape.n_experts])?;
+    let no_bias = vec![0.0; shape.n_experts];
+    let bias = b.vector_from_host(&no_bias)?;
     let mut points = Vec::new();
     for &n in batches {
         let x: Vec<f32> = (0..n * h).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -100,7 +101,7 @@ pub fn measure<B: Backend>(
             .collect();
         let mut chosen = vec![false; shape.n_experts];
         for row in logits.chunks(shape.n_experts) {
-            for (e, _) in route(&spec, row, &vec![0.0; shape.n_experts]) {
+            for (e, _) in route(&spec, row, &no_bias) {
                 chosen[e] = true;
             }
         }

@@ -4,9 +4,10 @@ use std::path::PathBuf;
 
 use std::cell::RefCell;
 
-use kiln::doctor::allreduce::{self, AllReducePoint};
+use kiln::doctor::allreduce;
 use kiln::doctor::{self, DoctorOptions};
 use kiln::lock::{Lock, SystemProbe};
+use kiln::runner::measure;
 
 #[derive(clap::Args)]
 pub struct DoctorArgs {
@@ -24,17 +25,6 @@ pub struct DoctorArgs {
     no_allreduce: bool,
 }
 
-/// The all-reduce sweep over `ranks` GPUs: NCCL in a CUDA build; otherwise an error saying so.
-pub fn measure_allreduce(ranks: usize) -> Result<Vec<AllReducePoint>, String> {
-    kiln::runner::measure::allreduce_sweep(ranks)
-}
-
-/// The one-shot peer-to-peer kernel's sweep over `ranks` GPUs (sizes up to 1 MiB), in a CUDA
-/// build; otherwise an error saying so.
-pub fn measure_one_shot(ranks: usize) -> Result<Vec<AllReducePoint>, String> {
-    kiln::runner::measure::one_shot_sweep(ranks)
-}
-
 /// The CPU kernels' SIMD level, as the fingerprint names it.
 pub fn simd_name() -> String {
     kiln::runner::device::cpu_simd_name().to_string()
@@ -50,13 +40,13 @@ pub fn run(a: DoctorArgs) -> anyhow::Result<()> {
     // Kept to print the whole table after the checks (the check shows two sizes).
     let measured = RefCell::new(Vec::new());
     let sweeper = |n: usize| {
-        let points = measure_allreduce(n)?;
+        let points = measure::allreduce_sweep(n)?;
         measured.replace(points.clone());
         Ok(points)
     };
     let one_shot_measured = RefCell::new(Vec::new());
     let one_shot_sweeper = |n: usize| {
-        let points = measure_one_shot(n)?;
+        let points = measure::one_shot_sweep(n)?;
         one_shot_measured.replace(points.clone());
         Ok(points)
     };

@@ -46,7 +46,7 @@ pub fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     // The NCCL all-reduce sweep over every visible GPU (one rank on a one-GPU machine: no bus
     // traffic, but the same init, buffers and timing code `kiln doctor` runs on the 8-GPU box).
     let gpus = gpu::count();
-    let sweep = super::doctor::measure_allreduce(gpus);
+    let sweep = kiln::runner::measure::allreduce_sweep(gpus);
     match &sweep {
         Ok(points) => print!(
             "\nall-reduce sweep over {gpus} GPU(s)\n{}",

@@ -108,8 +108,8 @@ fn read(path: &Path) -> anyhow::Result<(BenchSettings, Vec<Prompt>, Vec<Named>)>
 /// The one-shot crossover over the first `ranks` GPUs (a config with fewer ranks than the box has
 /// GPUs: the crossover moves with the rank count); 0 when either sweep fails, said on stderr.
 fn measured_crossover(ranks: usize) -> u64 {
-    let sweeps = super::doctor::measure_allreduce(ranks)
-        .and_then(|nccl| Ok((nccl, super::doctor::measure_one_shot(ranks)?)));
+    let sweeps = kiln::runner::measure::allreduce_sweep(ranks)
+        .and_then(|nccl| Ok((nccl, kiln::runner::measure::one_shot_sweep(ranks)?)));
     match sweeps {
         Ok((nccl, one_shot)) => {
             eprint!(
@@ -193,7 +193,7 @@ pub fn run(a: SweepArgs) -> anyhow::Result<()> {
         Fingerprint::collect(&SystemProbe::new(env.clone()), &super::doctor::simd_name());
     if fingerprint.gpus.len() >= 2 {
         // The lock keeps the interconnect's numbers so doctor can tell when they fall.
-        match super::doctor::measure_allreduce(fingerprint.gpus.len()) {
+        match kiln::runner::measure::allreduce_sweep(fingerprint.gpus.len()) {
             Ok(points) => {
                 eprint!(
                     "all-reduce sweep\n{}",
@@ -203,7 +203,7 @@ pub fn run(a: SweepArgs) -> anyhow::Result<()> {
             }
             Err(e) => eprintln!("kiln: no all-reduce sweep for the lock: {e}"),
         }
-        match super::doctor::measure_one_shot(fingerprint.gpus.len()) {
+        match kiln::runner::measure::one_shot_sweep(fingerprint.gpus.len()) {
             Ok(points) => fingerprint.one_shot = points,
             Err(e) => eprintln!("kiln: no one-shot all-reduce sweep for the lock: {e}"),
         }
