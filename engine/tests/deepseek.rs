@@ -567,12 +567,8 @@ fn completion(s: &common::server::Server, prompt: &[u32]) -> String {
         .to_string()
 }
 
-#[test]
-fn the_server_serves_it_and_eagle3_speculation_keeps_greedy_output_exact() {
-    let case = &models()[0];
-    let dir = common::tiny_with_tokenizer("deepseek-v3");
-    let tok = common::smollm2_tokenizer();
-    // The fixture's prompt first (its greedy text is transformers'), then prompts of mixed lengths.
+/// The fixture's prompt first (its greedy text is transformers'), then prompts of mixed lengths.
+fn mixed_prompts(case: &serde_json::Value) -> Vec<Vec<u32>> {
     let mut prompts = vec![ids(case, "prompt_ids")];
     let mut state = 12345u32;
     for len in [3usize, 9, 17, 30, 41] {
@@ -585,6 +581,15 @@ fn the_server_serves_it_and_eagle3_speculation_keeps_greedy_output_exact() {
                 .collect(),
         );
     }
+    prompts
+}
+
+#[test]
+fn the_server_serves_it_and_eagle3_speculation_keeps_greedy_output_exact() {
+    let case = &models()[0];
+    let dir = common::tiny_with_tokenizer("deepseek-v3");
+    let tok = common::smollm2_tokenizer();
+    let prompts = mixed_prompts(case);
     let base = serve(&dir, &[]);
     let want: Vec<String> = prompts.iter().map(|p| completion(&base, p)).collect();
     let reference = tok.decode(&ids(case, "greedy_ids"), false).expect("decode");
@@ -636,6 +641,74 @@ fn the_server_serves_it_and_eagle3_speculation_keeps_greedy_output_exact() {
         spec.metric("kiln_spec_accepted_tokens_total")
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// EAGLE-3 under tensor parallelism: every rank holds a shard of the head and runs every draft
+/// step. The split head must draft exactly what the whole head drafts (same drafted and accepted
+/// counts, one request at a time), and the served text must stay the non-speculative text, for
+/// chains and for trees (whose verify and draft steps carry tree masks to every rank).
+#[test]
+fn eagle3_split_over_2_and_4_ranks_drafts_as_one_rank_and_keeps_greedy_output_exact() {
+    let case = &models()[0];
+    let dir = common::tiny_with_tokenizer("deepseek-v3");
+    let prompts = mixed_prompts(case);
+    let base = serve(&dir, &[]);
+    let want: Vec<String> = prompts.iter().map(|p| completion(&base, p)).collect();
+    drop(base);
+    // A head drafting only the target's most frequent output tokens, so that drafts are both
+    // accepted and rejected (what the equal counts below need to mean anything).
+    let mut seen = std::collections::HashMap::<u32, usize>::new();
+    for p in &prompts {
+        for t in tp_greedy(&dir, 1, p, 16, "the head's tokens").tokens {
+            *seen.entry(t).or_default() += 1;
+        }
+    }
+    let mut frequent: Vec<(u32, usize)> = seen.into_iter().collect();
+    frequent.sort_by_key(|&(t, n)| (std::cmp::Reverse(n), t));
+    let tokens: Vec<u32> = frequent.iter().take(4).map(|&(t, _)| t).collect();
+    let head = std::env::temp_dir().join(format!("kiln-tp-draft-{}", std::process::id()));
+    common::write_draft(&head, &tokens, &common::DraftShape::TINY_DEEPSEEK);
+    let draft = head.to_string_lossy().to_string();
+    let chain: Vec<&str> = vec![
+        "--speculative-algorithm",
+        "eagle3",
+        "--speculative-draft-model-path",
+        &draft,
+        "--speculative-num-steps",
+        "3",
+    ];
+    let tree = common::eagle3_tree_flags(&draft).to_vec();
+    for (kind, flags) in [("chain", chain), ("tree", tree)] {
+        let mut counts = Vec::new();
+        for tp in ["1", "2", "4"] {
+            let mut args = flags.clone();
+            args.extend([
+                "--speculative-policy",
+                "fixed",
+                "--tensor-parallel-size",
+                tp,
+            ]);
+            let s = serve(&dir, &args);
+            let got: Vec<String> = prompts.iter().map(|p| completion(&s, p)).collect();
+            assert_eq!(got, want, "EAGLE-3 {kind}, TP={tp}");
+            let drafted = s.metric("kiln_spec_draft_tokens_total");
+            let accepted = s.metric("kiln_spec_accepted_tokens_total");
+            eprintln!("EAGLE-3 {kind}, TP={tp}: drafted {drafted}, accepted {accepted}");
+            assert!(drafted > 0.0, "EAGLE-3 {kind}, TP={tp}: nothing drafted");
+            counts.push((tp, drafted, accepted));
+        }
+        let (_, d1, a1) = counts[0];
+        for &(tp, d, a) in &counts[1..] {
+            assert_eq!(
+                (d, a),
+                (d1, a1),
+                "EAGLE-3 {kind}: TP={tp} drafted/accepted vs TP=1"
+            );
+        }
+        assert!(a1 > 0.0, "EAGLE-3 {kind}: nothing accepted");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&head);
 }
 
 /// Greedy text and usage of one completion over token ids.

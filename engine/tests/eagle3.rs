@@ -230,6 +230,99 @@ fn speculators_layout_matches_the_reference_for_extend_and_chained_steps() {
     );
 }
 
+/// The head split over `world` rank threads (tensor parallelism's shard of it on each, its
+/// partial sums meeting in the group's all-reduces): rank 0's extend logits.
+fn sharded_extend(world: usize, prompt: &[u32], next_id: u32) -> Vec<f32> {
+    use kiln::model::DraftBatch;
+    use kiln::parallel::{Communicator, Shard, ThreadComm};
+    let comms = ThreadComm::group(world, std::time::Duration::from_secs(30));
+    let ranks: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let prompt = prompt.to_vec();
+            std::thread::spawn(move || {
+                let m = load_target();
+                let dir = common::tiny_fixture_dir("eagle3-speculators");
+                let shard = Shard::of(comm.rank(), world);
+                let draft =
+                    Eagle3Draft::load_shard(&m.backend, &dir, m.config(), Precision::Exact, shard)
+                        .expect("draft shard");
+                let n = prompt.len();
+                let aux = captured(&m, &prompt, draft.aux_layers());
+                let mut tokens: Vec<u32> = prompt[1..].to_vec();
+                tokens.push(next_id);
+                let positions: Vec<usize> = (0..n).collect();
+                let blocks = n.div_ceil(BLOCK);
+                let mut alloc = BlockAllocator::new(blocks, BLOCK);
+                let mut seq = SeqBlocks::default();
+                seq.reserve(&mut alloc, n).expect("kv");
+                let mut kv = m
+                    .backend
+                    .kv_store(
+                        1,
+                        blocks,
+                        BLOCK,
+                        draft.kv_width(),
+                        KvLayout::KeysAndValues,
+                        Precision::Exact,
+                    )
+                    .expect("backend op");
+                let spans = [SeqSpan {
+                    first_token: 0,
+                    n_tokens: n,
+                    start_pos: 0,
+                    block_table: &seq.table,
+                    tree: None,
+                }];
+                let all: Vec<usize> = (0..n).collect();
+                let batch = DraftBatch {
+                    tokens: &tokens,
+                    positions: &positions,
+                    spans: &spans,
+                    rows: &all,
+                };
+                let mut ws = DraftWorkspace::new(&m.backend).expect("workspace");
+                let out = draft
+                    .forward_batch(
+                        &m.backend,
+                        m.model.embedding(),
+                        &mut kv,
+                        &batch,
+                        DraftInput::Target(&aux),
+                        &mut ws,
+                        Some(&comm),
+                    )
+                    .expect("sharded extend");
+                (draft.kv_width(), out.logits)
+            })
+        })
+        .collect();
+    let mut results: Vec<(usize, Vec<f32>)> =
+        ranks.into_iter().map(|h| h.join().expect("rank")).collect();
+    // Each rank stores only its KV heads (2 of them over 2 ranks: one each).
+    let whole = 2 * 16;
+    assert!(
+        results.iter().all(|(w, _)| *w == whole / world.min(2)),
+        "per-rank draft KV widths {:?}",
+        results.iter().map(|r| r.0).collect::<Vec<_>>()
+    );
+    results.swap_remove(0).1
+}
+
+#[test]
+fn the_head_split_over_2_and_4_rank_threads_matches_the_reference() {
+    let case = common::fixture("tiny/eagle3.json");
+    let prompt: Vec<u32> = ids(&case, "prompt_ids").iter().map(|&i| i as u32).collect();
+    let next = case["next_id"].as_u64().expect("id") as u32;
+    let reference = floats(&case, "step0_logits");
+    for world in [2, 4] {
+        let logits = sharded_extend(world, &prompt, next);
+        let e = rel_err(&logits, &reference);
+        eprintln!("draft head over {world} ranks: extend rel err {e:.2e}");
+        assert!(e < 1e-4, "{world} ranks: extend logits differ: {e}");
+    }
+}
+
 #[test]
 fn fast_mode_draft_with_8_bit_weights_stays_close_to_the_reference() {
     // Fast mode stores a float draft head's matrices as 8-bit blocks (a quarter of the bytes per

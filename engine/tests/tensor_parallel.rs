@@ -241,6 +241,7 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
         block_size: 16,
         group: Default::default(),
         moe: Default::default(),
+        draft_model: None,
     };
     // A peer that cannot load fails the start with the loading error.
     let mut comms = ThreadComm::group(2, Duration::from_secs(10));

@@ -372,11 +372,6 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
             spec.topk,
             spec.num_steps
         );
-        anyhow::ensure!(
-            a.tensor_parallel_size == Some(1),
-            "--speculative-eagle-topk > 1 (tree speculation) runs with --tensor-parallel-size 1 \
-             only; chain speculation (topk 1) runs with tensor parallelism"
-        );
     } else if a
         .speculative_num_draft_tokens
         .is_some_and(|n| n != spec.num_steps + 1)

@@ -6,15 +6,24 @@
 //! Both public checkpoint layouts load: SGLang/EAGLE (`midlayer.*`, a flat Llama config with
 //! `eagle_config`) and vLLM/speculators (`layers.0.*`, a speculators config with a nested
 //! `transformer_layer_config`). The forward is tested against speculators' `Eagle3DraftModel`.
+//!
+//! Under tensor parallelism every rank holds a shard of the head as of the target
+//! ([`Eagle3Draft::load_shard`]): `fc` split by its input columns, the layer's heads and MLP
+//! columns as the target's layers, the LM head by draft-vocabulary slices. Each draft step then
+//! reads 1/world of the head's weights per GPU instead of all of them on rank 0 while the others
+//! wait, for three all-reduces (`fc`, attention, MLP) and one gather of the logits.
 
 use std::path::Path;
 
 use serde_json::Value;
 
+use std::ops::Range;
+
 use super::config::ModelConfig;
-use super::llama::rope_spec;
+use super::llama::{gather_vocab_slices, rope_spec};
 use crate::backend::{Backend, Precision, RopeSpec, SeqSpan};
 use crate::error::{Error, Result};
+use crate::parallel::{Communicator, Shard};
 use crate::weights::hf::HfDir;
 
 /// Which of the two public layouts a checkpoint uses.
@@ -170,6 +179,15 @@ impl Eagle3Config {
     }
 }
 
+/// The tokens of one draft step and the rows it keeps (see [`Eagle3Draft::forward`]).
+#[derive(Clone, Copy)]
+pub struct DraftBatch<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [usize],
+    pub spans: &'a [SeqSpan<'a>],
+    pub rows: &'a [usize],
+}
+
 /// Where a draft step's hidden-state input comes from.
 pub enum DraftInput<'a, B: Backend> {
     /// The target's captured residual streams, one buffer per aux layer, a row per token.
@@ -189,6 +207,8 @@ pub struct DraftOutput<B: Backend> {
 /// Activation buffers reused across draft steps.
 pub struct DraftWorkspace<B: Backend> {
     h: B::Buffer,
+    /// This rank's columns of a captured stream (`fc` split by input columns).
+    part: B::Buffer,
     tmp: B::Buffer,
     e: B::Buffer,
     en: B::Buffer,
@@ -206,6 +226,7 @@ impl<B: Backend> DraftWorkspace<B> {
         let z = || b.buffer(0, 0);
         Ok(DraftWorkspace {
             h: z()?,
+            part: z()?,
             tmp: z()?,
             e: z()?,
             en: z()?,
@@ -223,8 +244,11 @@ impl<B: Backend> DraftWorkspace<B> {
 pub struct Eagle3Draft<B: Backend> {
     pub config: Eagle3Config,
     /// `fc` split by input columns, one part per aux layer: `fc · [a | b | c] = Σ fc_i · x_i`,
-    /// so the captured streams never need concatenating.
+    /// so the captured streams never need concatenating. Under tensor parallelism each part is
+    /// this rank's `fc_columns` of it (the partial sums meet in an all-reduce).
     fc: Vec<B::Matrix>,
+    /// The columns of each captured stream this rank's `fc` parts read; `None`: all of them.
+    fc_columns: Option<Range<usize>>,
     /// The draft's own embeddings; `None`: the target's.
     embed: Option<B::Matrix>,
     input_norm: B::Vector,
@@ -239,6 +263,11 @@ pub struct Eagle3Draft<B: Backend> {
     down: B::Matrix,
     norm: B::Vector,
     lm_head: B::Matrix,
+    /// This rank's slice of the draft vocabulary (its LM head rows); `None`: the whole head.
+    vocab_slice: Option<Range<usize>>,
+    /// Query and KV heads this rank's shard of the layer holds.
+    local_heads: usize,
+    local_kv_heads: usize,
     /// Target id of each draft id.
     draft_to_target: Vec<u32>,
     rope: RopeSpec,
@@ -251,6 +280,18 @@ impl<B: Backend> Eagle3Draft<B> {
         dir: &Path,
         target: &ModelConfig,
         precision: Precision,
+    ) -> Result<Self> {
+        Self::load_shard(backend, dir, target, precision, Shard::WHOLE)
+    }
+
+    /// Loads one tensor-parallel rank's part of a draft (see the module's note); run it with
+    /// [`Eagle3Draft::forward_batch`] and the group's communicator on every rank of the group.
+    pub fn load_shard(
+        backend: &B,
+        dir: &Path,
+        target: &ModelConfig,
+        precision: Precision,
+        shard: Shard,
     ) -> Result<Self> {
         let config = Eagle3Config::from_dir(dir)?;
         let hf = HfDir::open(dir)?;
@@ -289,6 +330,22 @@ impl<B: Backend> Eagle3Draft<B> {
             ));
         }
         let n_aux = fc_cols / target.hidden_size;
+        let plan = shard.plan(&config.layer).map_err(|e| {
+            Error::config(
+                &cfg_path,
+                format!("the EAGLE-3 draft head cannot be split: {e}"),
+            )
+        })?;
+        let (w, rank) = (shard.world, shard.rank);
+        let whole = w == 1;
+        // Row and column slices of a stored matrix for this rank (the whole of it on one rank).
+        let rows = |v: crate::weights::TensorView, r: Range<usize>| {
+            let cols = v.matrix_shape()?.1;
+            v.slice(r, 0..cols)
+        };
+        let th = target.hidden_size;
+        let fc_columns =
+            (!whole && th.is_multiple_of(w)).then(|| rank * th / w..(rank + 1) * th / w);
         let aux = config.aux_layers.resolve(target.n_layers, &cfg_path)?;
         if aux.len() != n_aux {
             return Err(Error::config(
@@ -299,9 +356,12 @@ impl<B: Backend> Eagle3Draft<B> {
                 ),
             ));
         }
-        let th = target.hidden_size;
+        let own = fc_columns.clone().unwrap_or(0..th);
         let fc = (0..n_aux)
-            .map(|i| backend.draft_matrix(&[fc.slice(0..h, i * th..(i + 1) * th)?], precision))
+            .map(|i| {
+                let cols = i * th + own.start..i * th + own.end;
+                backend.draft_matrix(&[fc.slice(0..h, cols)?], precision)
+            })
             .collect::<Result<Vec<_>>>()?;
         let embed = if hf.has_tensor("embed_tokens.weight") {
             let v = get("embed_tokens.weight", &[c.vocab_size, h])?;
@@ -310,21 +370,27 @@ impl<B: Backend> Eagle3Draft<B> {
             None
         };
         let (qw, kvw) = (c.q_width(), c.kv_width());
+        let d = c.head_dim;
+        let q_rows = plan.q_heads.start * d..plan.q_heads.end * d;
+        let kv_rows = plan.kv_heads.start * d..plan.kv_heads.end * d;
         let q = get(&l("self_attn.q_proj.weight"), &[qw, 2 * h])?;
         let k = get(&l("self_attn.k_proj.weight"), &[kvw, 2 * h])?;
         let v = get(&l("self_attn.v_proj.weight"), &[kvw, 2 * h])?;
-        let half = |cols: std::ops::Range<usize>| -> Result<B::Matrix> {
+        let half = |cols: Range<usize>| -> Result<B::Matrix> {
             backend.draft_matrix(
                 &[
-                    q.slice(0..qw, cols.clone())?,
-                    k.slice(0..kvw, cols.clone())?,
-                    v.slice(0..kvw, cols)?,
+                    q.slice(q_rows.clone(), cols.clone())?,
+                    k.slice(kv_rows.clone(), cols.clone())?,
+                    v.slice(kv_rows.clone(), cols)?,
                 ],
                 precision,
             )
         };
         let inter = c.intermediate_size;
+        let own_inter = plan.intermediate.clone();
         let dv = config.draft_vocab_size;
+        let vocab_slice =
+            (!whole && dv.is_multiple_of(w)).then(|| rank * dv / w..(rank + 1) * dv / w);
         let draft_to_target: Vec<u32> = if hf.has_tensor("d2t") {
             let d2t = hf.ints("d2t")?;
             if d2t.len() != dv {
@@ -366,19 +432,40 @@ impl<B: Backend> Eagle3Draft<B> {
             hidden_norm: backend.vector(&get(&l("hidden_norm.weight"), &[h])?)?,
             qkv_embed: half(0..h)?,
             qkv_hidden: half(h..2 * h)?,
-            o: backend.draft_matrix(&[get(&l("self_attn.o_proj.weight"), &[h, qw])?], precision)?,
+            o: backend.draft_matrix(
+                &[get(&l("self_attn.o_proj.weight"), &[h, qw])?.slice(0..h, q_rows.clone())?],
+                precision,
+            )?,
             post_norm: backend.vector(&get(&l("post_attention_layernorm.weight"), &[h])?)?,
             gate_up: backend.draft_matrix(
                 &[
-                    get(&l("mlp.gate_proj.weight"), &[inter, h])?,
-                    get(&l("mlp.up_proj.weight"), &[inter, h])?,
+                    rows(
+                        get(&l("mlp.gate_proj.weight"), &[inter, h])?,
+                        own_inter.clone(),
+                    )?,
+                    rows(
+                        get(&l("mlp.up_proj.weight"), &[inter, h])?,
+                        own_inter.clone(),
+                    )?,
                 ],
                 precision,
             )?,
-            down: backend
-                .draft_matrix(&[get(&l("mlp.down_proj.weight"), &[h, inter])?], precision)?,
+            down: backend.draft_matrix(
+                &[get(&l("mlp.down_proj.weight"), &[h, inter])?.slice(0..h, own_inter)?],
+                precision,
+            )?,
             norm: backend.vector(&get("norm.weight", &[h])?)?,
-            lm_head: backend.draft_matrix(&[get("lm_head.weight", &[dv, h])?], precision)?,
+            lm_head: backend.draft_matrix(
+                &[rows(
+                    get("lm_head.weight", &[dv, h])?,
+                    vocab_slice.clone().unwrap_or(0..dv),
+                )?],
+                precision,
+            )?,
+            vocab_slice,
+            fc_columns,
+            local_heads: plan.q_heads.len(),
+            local_kv_heads: plan.kv_heads.len(),
             draft_to_target,
             rope: rope_spec(c, None)?,
             config: Eagle3Config {
@@ -396,9 +483,9 @@ impl<B: Backend> Eagle3Draft<B> {
         }
     }
 
-    /// The KV width of the draft's one layer.
+    /// The KV width this rank stores for the draft's one layer (its KV heads only).
     pub fn kv_width(&self) -> usize {
-        self.config.layer.kv_width()
+        self.local_kv_heads * self.config.layer.head_dim
     }
 
     /// The target id of a draft id.
@@ -422,6 +509,42 @@ impl<B: Backend> Eagle3Draft<B> {
         rows: &[usize],
         ws: &mut DraftWorkspace<B>,
     ) -> Result<DraftOutput<B>> {
+        let batch = DraftBatch {
+            tokens,
+            positions,
+            spans,
+            rows,
+        };
+        self.forward_batch(backend, target_embed, kv, &batch, input, ws, None)
+    }
+
+    /// [`Eagle3Draft::forward`] over a [`DraftBatch`]; `comm` is the group's when this draft is
+    /// one tensor-parallel rank's shard ([`Eagle3Draft::load_shard`]): every rank of the group
+    /// calls it with the same step, and every rank returns the whole logits and hidden states.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_batch(
+        &self,
+        backend: &B,
+        target_embed: &B::Matrix,
+        kv: &mut B::KvStore,
+        batch: &DraftBatch<'_>,
+        input: DraftInput<'_, B>,
+        ws: &mut DraftWorkspace<B>,
+        comm: Option<&dyn Communicator>,
+    ) -> Result<DraftOutput<B>> {
+        let DraftBatch {
+            tokens,
+            positions,
+            spans,
+            rows,
+        } = *batch;
+        let reduce = |x: &mut B::Buffer| -> Result<()> {
+            match comm {
+                Some(comm) => backend.all_reduce_sum(x, comm),
+                None => Ok(()),
+            }
+        };
+        let (n_heads, n_kv_heads) = (self.local_heads, self.local_kv_heads);
         let c = &self.config.layer;
         let eps = c.rms_norm_eps;
         let n = tokens.len();
@@ -442,12 +565,23 @@ impl<B: Backend> Eagle3Draft<B> {
                     )));
                 }
                 for (i, (x, w)) in aux.iter().zip(&self.fc).enumerate() {
+                    let x = match &self.fc_columns {
+                        Some(cols) => {
+                            backend.reshape(&mut ws.part, n, cols.len())?;
+                            backend.copy_columns(x, cols.start, &mut ws.part, 0, cols.len())?;
+                            &ws.part
+                        }
+                        None => x,
+                    };
                     if i == 0 {
                         backend.matmul(x, w, &mut ws.h)?;
                     } else {
                         backend.matmul(x, w, &mut ws.tmp)?;
                         backend.add(&mut ws.h, &ws.tmp)?;
                     }
+                }
+                if self.fc_columns.is_some() {
+                    reduce(&mut ws.h)?;
                 }
             }
             DraftInput::Own(x) => ws.h = backend.gather_rows(x, &all)?,
@@ -463,21 +597,22 @@ impl<B: Backend> Eagle3Draft<B> {
         backend.matmul(&ws.en, &self.qkv_embed, &mut ws.qkv)?;
         backend.matmul(&ws.hn, &self.qkv_hidden, &mut ws.tmp)?;
         backend.add(&mut ws.qkv, &ws.tmp)?;
-        let q_width = c.q_width();
+        let q_width = n_heads * c.head_dim;
         let meta = backend.step_meta(positions, spans)?;
-        backend.rope(&mut ws.qkv, 0, c.n_heads, &meta, &self.rope)?;
-        backend.rope(&mut ws.qkv, q_width, c.n_kv_heads, &meta, &self.rope)?;
+        backend.rope(&mut ws.qkv, 0, n_heads, &meta, &self.rope)?;
+        backend.rope(&mut ws.qkv, q_width, n_kv_heads, &meta, &self.rope)?;
         backend.attention(
             &ws.qkv,
             kv,
             0,
             &meta,
-            c.n_heads,
-            c.n_kv_heads,
+            n_heads,
+            n_kv_heads,
             c.head_dim,
             &mut ws.attn,
         )?;
         backend.matmul(&ws.attn, &self.o, &mut ws.tmp)?;
+        reduce(&mut ws.tmp)?;
         ws.x = if self.config.norm_before_residual {
             backend.gather_rows(&ws.hn, &all)?
         } else {
@@ -488,13 +623,24 @@ impl<B: Backend> Eagle3Draft<B> {
         backend.matmul(&ws.normed, &self.gate_up, &mut ws.gate_up)?;
         backend.silu_mul(&ws.gate_up, &mut ws.act)?;
         backend.matmul(&ws.act, &self.down, &mut ws.tmp)?;
+        reduce(&mut ws.tmp)?;
         backend.add(&mut ws.x, &ws.tmp)?;
         let hidden = backend.gather_rows(&ws.x, rows)?;
         backend.rms_norm(&hidden, &self.norm, eps, &mut ws.normed)?;
         backend.matmul(&ws.normed, &self.lm_head, &mut ws.tmp)?;
-        Ok(DraftOutput {
-            logits: backend.to_host(&ws.tmp)?,
-            hidden,
-        })
+        let local = backend.to_host(&ws.tmp)?;
+        let logits = match comm {
+            Some(comm) => {
+                // The step's collectives have all ended by now; whether they ended well is
+                // known here.
+                comm.end_step()?;
+                match &self.vocab_slice {
+                    Some(slice) => gather_vocab_slices(&local, slice.len(), rows.len(), comm)?,
+                    None => local,
+                }
+            }
+            None => local,
+        };
+        Ok(DraftOutput { logits, hidden })
     }
 }

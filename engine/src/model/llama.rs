@@ -652,22 +652,10 @@ impl<B: Backend> Llama<B> {
         let local = backend.to_host(&ws.proj)?;
         // The step's collectives have all ended by now; whether they ended well is known here.
         comm.end_step()?;
-        let Some(slice) = &self.vocab_slice else {
-            return Ok(local);
-        };
-        // Every rank's slice of every row, rank after rank; the rows put back together.
-        let (width, rows) = (slice.len(), batch.logit_rows.len());
-        let world = comm.world();
-        let mut all = vec![0f32; local.len() * world];
-        comm.all_gather(&local, &mut all)?;
-        let vocab = width * world;
-        let mut logits = vec![0f32; rows * vocab];
-        for (r, part) in all.chunks_exact(local.len().max(1)).enumerate() {
-            for (i, row) in part.chunks_exact(width).enumerate() {
-                logits[i * vocab + r * width..i * vocab + (r + 1) * width].copy_from_slice(row);
-            }
+        match &self.vocab_slice {
+            Some(slice) => gather_vocab_slices(&local, slice.len(), batch.logit_rows.len(), comm),
+            None => Ok(local),
         }
-        Ok(logits)
     }
 
     fn forward_inner(
@@ -821,4 +809,26 @@ impl<B: Backend> Llama<B> {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         backend.matmul(&ws.h, head, &mut ws.proj)
     }
+}
+
+/// Whole logits rows from every rank's `local` rows of its `width`-wide vocabulary slice (an LM
+/// head split by rows across the group): every rank's slice of every row, rank after rank, put
+/// back together row by row.
+pub(super) fn gather_vocab_slices(
+    local: &[f32],
+    width: usize,
+    rows: usize,
+    comm: &dyn Communicator,
+) -> Result<Vec<f32>> {
+    let world = comm.world();
+    let mut all = vec![0f32; local.len() * world];
+    comm.all_gather(local, &mut all)?;
+    let vocab = width * world;
+    let mut logits = vec![0f32; rows * vocab];
+    for (r, part) in all.chunks_exact(local.len().max(1)).enumerate() {
+        for (i, row) in part.chunks_exact(width).enumerate() {
+            logits[i * vocab + r * width..i * vocab + (r + 1) * width].copy_from_slice(row);
+        }
+    }
+    Ok(logits)
 }

@@ -8,6 +8,10 @@
 //! group's device communicator at once (NCCL's init is collective); the peers then load their
 //! shards while rank 0 loads its own; the KV caches are sized last, once rank 0 knows how much
 //! memory its weights left ([`TpGroup::size_caches`]).
+//!
+//! With an EAGLE-3 head each rank also holds a shard of it, captures the target's aux layers in
+//! its own steps, and runs every draft step rank 0 runs ([`TpGroup::draft_step`]): the head's
+//! weights are read 1/world per GPU, never whole on rank 0 while the others wait.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,17 +20,60 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::{CommError, Communicator, GroupOptions, MoeSplit, Shard, ThreadComm};
-use crate::backend::{Backend, Precision, SeqSpan};
+use crate::backend::{Backend, Precision, SeqSpan, TreeMask};
 use crate::error::{Error, Result};
-use crate::model::{ForwardBatch, Llama, Workspace};
+use crate::model::{
+    DraftSource, DraftState, DraftStep, Eagle3Draft, ForwardBatch, Llama, Workspace,
+};
 use crate::runner::{Device, WithBackend};
+
+/// A sequence's span, owned (its tree mask too: a verify or draft step of tree speculation
+/// masks every rank's attention alike), so it can cross to the rank threads.
+struct OwnedSpan {
+    first_token: usize,
+    n_tokens: usize,
+    start_pos: usize,
+    block_table: Vec<u32>,
+    /// The tree mask's base and bit rows.
+    tree: Option<(usize, Vec<u64>)>,
+}
+
+impl OwnedSpan {
+    fn all(spans: &[SeqSpan<'_>]) -> Vec<OwnedSpan> {
+        spans
+            .iter()
+            .map(|s| OwnedSpan {
+                first_token: s.first_token,
+                n_tokens: s.n_tokens,
+                start_pos: s.start_pos,
+                block_table: s.block_table.to_vec(),
+                tree: s.tree.as_ref().map(|t| (t.base, t.rows.to_vec())),
+            })
+            .collect()
+    }
+
+    fn view(spans: &[OwnedSpan]) -> Vec<SeqSpan<'_>> {
+        spans
+            .iter()
+            .map(|s| SeqSpan {
+                first_token: s.first_token,
+                n_tokens: s.n_tokens,
+                start_pos: s.start_pos,
+                block_table: &s.block_table,
+                tree: s
+                    .tree
+                    .as_ref()
+                    .map(|(base, rows)| TreeMask { base: *base, rows }),
+            })
+            .collect()
+    }
+}
 
 /// A step's batch, owned, so it can cross to the rank threads.
 struct OwnedBatch {
     tokens: Vec<u32>,
     positions: Vec<usize>,
-    /// (first_token, n_tokens, start_pos, block_table) per sequence.
-    spans: Vec<(usize, usize, usize, Vec<u32>)>,
+    spans: Vec<OwnedSpan>,
     logit_rows: Vec<usize>,
 }
 
@@ -35,19 +82,31 @@ impl OwnedBatch {
         OwnedBatch {
             tokens: b.tokens.to_vec(),
             positions: b.positions.to_vec(),
-            spans: b
-                .spans
-                .iter()
-                .map(|s| {
-                    (
-                        s.first_token,
-                        s.n_tokens,
-                        s.start_pos,
-                        s.block_table.to_vec(),
-                    )
-                })
-                .collect(),
+            spans: OwnedSpan::all(b.spans),
             logit_rows: b.logit_rows.to_vec(),
+        }
+    }
+}
+
+/// A draft step, owned: token ids and row indices only (each rank holds the states it reads).
+struct OwnedDraftStep {
+    tokens: Vec<u32>,
+    positions: Vec<usize>,
+    spans: Vec<OwnedSpan>,
+    source: DraftSource,
+    input_rows: Vec<usize>,
+    rows: Vec<usize>,
+}
+
+impl OwnedDraftStep {
+    fn from(s: &DraftStep<'_>) -> OwnedDraftStep {
+        OwnedDraftStep {
+            tokens: s.tokens.to_vec(),
+            positions: s.positions.to_vec(),
+            spans: OwnedSpan::all(s.spans),
+            source: s.source,
+            input_rows: s.input_rows.to_vec(),
+            rows: s.rows.to_vec(),
         }
     }
 }
@@ -58,9 +117,22 @@ type Report = (usize, Result<()>);
 
 /// Work rank 0 hands a peer.
 enum PeerJob {
-    /// Allocate the KV cache with this many blocks (once, before the first step).
+    /// Allocate the KV cache (and the draft head's) with this many blocks (once, before the
+    /// first step).
     SizeCache(usize),
     Step(Arc<OwnedBatch>),
+    /// One step of the EAGLE-3 head over this rank's shard of it.
+    Draft(Arc<OwnedDraftStep>),
+    /// Tree speculation's accepted path to consecutive KV slots, as rank 0 moved its own: a
+    /// sequence's block table and (from, to) positions. Reports only a failure (the peer then
+    /// leaves), which the next step's collect reads in place of that step's report.
+    MoveKv(Arc<KvMoves>),
+}
+
+/// A sequence's block table and the (from, to) positions of its KV entries to move.
+struct KvMoves {
+    block_table: Vec<u32>,
+    moves: Vec<(usize, usize)>,
 }
 
 pub struct TpPeers {
@@ -81,6 +153,8 @@ pub struct PeerConfig {
     pub group: GroupOptions,
     /// How the routed experts are split (rank 0's shard the same).
     pub moe: MoeSplit,
+    /// The EAGLE-3 head each rank holds a shard of, when the runner drafts with one.
+    pub draft_model: Option<PathBuf>,
 }
 
 fn peer_main(
@@ -151,10 +225,25 @@ impl WithBackend for Peer<'_> {
             };
             let model =
                 Llama::load_shard(&backend, config, &store, cfg.precision, shard, |_, _| {})?;
-            let ws = Workspace::new(&backend)?;
-            Ok((model, ws))
+            let mut ws = Workspace::new(&backend)?;
+            let draft = match &cfg.draft_model {
+                Some(dir) => {
+                    let d = Eagle3Draft::load_shard(
+                        &backend,
+                        dir,
+                        &model.config,
+                        cfg.precision,
+                        shard,
+                    )?;
+                    // This rank's steps keep what its draft steps read, as rank 0's do.
+                    ws.capture_layers = d.aux_layers().to_vec();
+                    Some(d)
+                }
+                None => None,
+            };
+            Ok((model, ws, draft))
         })();
-        let (model, mut ws) = match loaded {
+        let (model, mut ws, draft) = match loaded {
             Ok(l) => {
                 let _ = reports.send((rank, Ok(())));
                 l
@@ -162,25 +251,70 @@ impl WithBackend for Peer<'_> {
             Err(e) => return fail(e),
         };
         let mut kv = None;
+        let mut draft_state = None;
+        let early = |what: &str| {
+            Err(Error::Device(format!(
+                "tensor-parallel rank {rank} got a {what} before its KV cache"
+            )))
+        };
         // Until the engine drops its senders (shutdown) or a step fails.
         while let Ok(job) = jobs.recv() {
             let out = match job {
-                PeerJob::SizeCache(n_blocks) => backend
-                    .kv_store(
+                PeerJob::SizeCache(n_blocks) => (|| -> Result<()> {
+                    kv = Some(backend.kv_store(
                         model.config.n_layers,
                         n_blocks,
                         cfg.block_size,
                         model.local_kv_width(),
                         model.config.kv_layout(),
                         cfg.precision,
-                    )
-                    .map(|store| kv = Some(store)),
+                    )?);
+                    if let Some(d) = &draft {
+                        draft_state = Some(DraftState::new(&backend, d, n_blocks, cfg.block_size)?);
+                    }
+                    Ok(())
+                })(),
                 PeerJob::Step(job) => match kv.as_mut() {
                     Some(kv) => step(&backend, &model, kv, &mut ws, &job, comm),
-                    None => Err(Error::Device(format!(
-                        "tensor-parallel rank {rank} got a step before its KV cache"
-                    ))),
+                    None => early("step"),
                 },
+                PeerJob::Draft(job) => match (&draft, draft_state.as_mut()) {
+                    (Some(d), Some(state)) => {
+                        let spans = OwnedSpan::view(&job.spans);
+                        let step = DraftStep {
+                            tokens: &job.tokens,
+                            positions: &job.positions,
+                            spans: &spans,
+                            source: job.source,
+                            input_rows: &job.input_rows,
+                            rows: &job.rows,
+                        };
+                        state
+                            .run(
+                                &backend,
+                                d,
+                                model.embedding(),
+                                &ws.captured,
+                                &step,
+                                Some(comm),
+                            )
+                            .map(|_| ())
+                    }
+                    (None, _) => Err(Error::Device(format!(
+                        "tensor-parallel rank {rank} got a draft step without a draft head"
+                    ))),
+                    (Some(_), None) => early("draft step"),
+                },
+                PeerJob::MoveKv(job) => {
+                    let moved = match kv.as_mut() {
+                        Some(kv) => backend.move_kv(kv, &job.block_table, &job.moves),
+                        None => early("KV move"),
+                    };
+                    if moved.is_ok() {
+                        continue;
+                    }
+                    moved
+                }
             };
             let failed = out.is_err();
             if failed {
@@ -203,17 +337,7 @@ fn step<B: Backend>(
     job: &OwnedBatch,
     comm: &dyn Communicator,
 ) -> Result<()> {
-    let spans: Vec<SeqSpan> = job
-        .spans
-        .iter()
-        .map(|(first, n, start, table)| SeqSpan {
-            first_token: *first,
-            n_tokens: *n,
-            start_pos: *start,
-            block_table: table,
-            tree: None,
-        })
-        .collect();
+    let spans = OwnedSpan::view(&job.spans);
     let batch = ForwardBatch {
         tokens: &job.tokens,
         positions: &job.positions,
@@ -380,7 +504,41 @@ impl TpGroup {
         batch: &ForwardBatch<'_>,
         rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
     ) -> Result<Vec<f32>> {
-        if let Err(e) = self.peers.submit(batch) {
+        let job = Arc::new(OwnedBatch::from(batch));
+        self.across(|| PeerJob::Step(job.clone()), rank0)
+    }
+
+    /// Moves KV entries on every peer as rank 0 moves its own ([`Backend::move_kv`]: a tree's
+    /// accepted path), ahead of the next step, without waiting: the peers take jobs in order.
+    pub fn move_kv(&self, block_table: &[u32], moves: &[(usize, usize)]) -> Result<()> {
+        let job = Arc::new(KvMoves {
+            block_table: block_table.to_vec(),
+            moves: moves.to_vec(),
+        });
+        let sent = self.peers.send(|| PeerJob::MoveKv(job.clone()));
+        if sent.is_err() {
+            self.comm.abort();
+        }
+        sent
+    }
+
+    /// One EAGLE-3 draft step across the group, as [`TpGroup::step`]: every peer runs `step`
+    /// over its shard of the head while `rank0` runs rank 0's.
+    pub fn draft_step(
+        &self,
+        step: &DraftStep<'_>,
+        rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
+    ) -> Result<Vec<f32>> {
+        let job = Arc::new(OwnedDraftStep::from(step));
+        self.across(|| PeerJob::Draft(job.clone()), rank0)
+    }
+
+    fn across(
+        &self,
+        job: impl Fn() -> PeerJob,
+        rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
+    ) -> Result<Vec<f32>> {
+        if let Err(e) = self.peers.send(job) {
             // The peers that got the step must not wait out the deadline for rank 0.
             self.comm.abort();
             return Err(e);

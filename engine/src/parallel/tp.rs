@@ -89,6 +89,7 @@ fn greedy_over<B: Backend>(
             block_size: BLOCK_SIZE,
             group: opts.group,
             moe: opts.moe,
+            draft_model: None,
         };
         Some(TpGroup::spawn(cfg, opts.world, opts.timeout, &backend)?)
     } else {

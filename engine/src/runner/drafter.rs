@@ -11,8 +11,9 @@ use super::plan::StepPlan;
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::load::LoadedModel;
-use crate::model::Eagle3Draft;
-use crate::speculation::eagle::{ChainRequest, Confirmed, TreeRequest};
+use crate::model::{DraftState, DraftStep, Eagle3Draft};
+use crate::parallel::TpGroup;
+use crate::speculation::eagle::{ChainRequest, Confirmed, RunDraftStep, TreeRequest};
 use crate::speculation::tree::DraftTree;
 use crate::speculation::{self, EagleDrafter, Policy, SpecConfig, SpecMethod};
 
@@ -92,6 +93,7 @@ impl<B: Backend> Drafter<B> {
     pub fn propose(
         &mut self,
         m: &LoadedModel<B>,
+        tp: Option<&TpGroup>,
         policy: &mut Policy,
         plan: &StepPlan<'_>,
         budget: usize,
@@ -99,7 +101,9 @@ impl<B: Backend> Drafter<B> {
         match self {
             Drafter::Off => Drafts::none(plan.seqs.len()),
             Drafter::Ngram => propose_ngram(policy, plan, budget),
-            Drafter::Eagle(e) => propose_eagle(e, m, policy, plan, budget),
+            Drafter::Eagle(e) => {
+                propose_eagle(e, &mut draft_steps(m, tp, &[]), policy, plan, budget)
+            }
         }
     }
 
@@ -108,13 +112,14 @@ impl<B: Backend> Drafter<B> {
     pub fn extend(
         &mut self,
         m: &LoadedModel<B>,
+        tp: Option<&TpGroup>,
         policy: &mut Policy,
         captured: &[B::Buffer],
         seqs: &[Confirmed<'_>],
     ) {
         let Drafter::Eagle(e) = self else { return };
         let t = Instant::now();
-        if let Err(err) = e.extend(&m.backend, m.model.embedding(), captured, seqs) {
+        if let Err(err) = e.extend(&mut draft_steps(m, tp, captured), seqs) {
             tracing::error!("EAGLE-3 draft extend failed: {err}");
         }
         if !seqs.is_empty() {
@@ -125,6 +130,25 @@ impl<B: Backend> Drafter<B> {
 
     pub fn is_eagle(&self) -> bool {
         matches!(self, Drafter::Eagle(_))
+    }
+}
+
+/// Draft steps on rank 0 alone, or (tensor parallelism) on every rank of the group, each over
+/// its shard of the head: the peers get the step's token ids and row indices and run it beside
+/// rank 0 (`captured`: the target step's aux-layer states, read by an extend).
+fn draft_steps<'a, B: Backend>(
+    m: &'a LoadedModel<B>,
+    tp: Option<&'a TpGroup>,
+    captured: &'a [B::Buffer],
+) -> impl FnMut(&Eagle3Draft<B>, &mut DraftState<B>, &DraftStep<'_>) -> Result<Vec<f32>> + 'a {
+    move |draft, state, step| {
+        let embed = m.model.embedding();
+        match tp {
+            None => state.run(&m.backend, draft, embed, captured, step, None),
+            Some(tp) => tp.draft_step(step, |comm| {
+                state.run(&m.backend, draft, embed, captured, step, Some(comm))
+            }),
+        }
     }
 }
 
@@ -154,7 +178,7 @@ fn propose_ngram(policy: &mut Policy, plan: &StepPlan<'_>, mut budget: usize) ->
 
 fn propose_eagle<B: Backend>(
     eagle: &mut EagleDrafter<B>,
-    m: &LoadedModel<B>,
+    run: &mut RunDraftStep<'_, B>,
     policy: &mut Policy,
     plan: &StepPlan<'_>,
     mut budget: usize,
@@ -209,13 +233,11 @@ fn propose_eagle<B: Backend>(
                 }
             })
             .collect();
-        eagle
-            .propose_tree(&m.backend, m.model.embedding(), &reqs)
-            .map(|ts| {
-                ts.into_iter()
-                    .map(|t| (t.tokens.clone(), Some(t)))
-                    .collect()
-            })
+        eagle.propose_tree(run, &reqs).map(|ts| {
+            ts.into_iter()
+                .map(|t| (t.tokens.clone(), Some(t)))
+                .collect()
+        })
     } else {
         let reqs: Vec<ChainRequest> = chosen
             .iter()
@@ -230,7 +252,7 @@ fn propose_eagle<B: Backend>(
             })
             .collect();
         eagle
-            .propose(&m.backend, m.model.embedding(), &reqs)
+            .propose(run, &reqs)
             .map(|ds| ds.into_iter().map(|d| (d, None)).collect())
     };
     let proposed = match proposed {

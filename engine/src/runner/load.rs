@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::load::load_model_shard;
 use crate::model::Eagle3Draft;
 use crate::parallel::{PeerConfig, Shard, TpGroup};
+use crate::speculation::SpecMethod;
 
 /// Everything a runner is built from.
 #[derive(Clone, Debug)]
@@ -84,6 +85,16 @@ impl WithBackend for Job<'_> {
         } = self;
         let world = spec.tensor_parallel.max(1);
         let mut runner_cfg = spec.runner;
+        // The head every rank holds a shard of: only when the runner will draft with it.
+        let drafting_head = spec
+            .draft_model
+            .clone()
+            .filter(|_| runner_cfg.spec.method == SpecMethod::Eagle3);
+        let shard = Shard {
+            rank: 0,
+            world,
+            moe: spec.moe_split,
+        };
         let before = backend.memory();
         // Ranks 1.. load their shards on their own threads first; any failure stops the start.
         let tp = if world > 1 {
@@ -96,6 +107,7 @@ impl WithBackend for Job<'_> {
                 block_size: spec.runner.block_size,
                 group: spec.group,
                 moe: spec.moe_split,
+                draft_model: drafting_head.clone(),
             };
             Some(TpGroup::spawn(
                 cfg,
@@ -112,11 +124,7 @@ impl WithBackend for Job<'_> {
             backend,
             &spec.model,
             spec.precision,
-            Shard {
-                rank: 0,
-                world,
-                moe: spec.moe_split,
-            },
+            shard,
             |done, total| {
                 if done != last {
                     last = done;
@@ -131,14 +139,15 @@ impl WithBackend for Job<'_> {
         );
         tracing::info!("{loaded}");
         status(loaded);
-        let draft = match &spec.draft_model {
+        let draft = match &drafting_head {
             Some(dir) => {
                 status("loading the EAGLE-3 draft head".into());
-                Some(Eagle3Draft::load(
+                Some(Eagle3Draft::load_shard(
                     &model.backend,
                     dir,
                     model.config(),
                     spec.precision,
+                    shard,
                 )?)
             }
             None => None,

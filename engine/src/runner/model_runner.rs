@@ -510,8 +510,13 @@ impl<B: Backend> ModelRunner for Runner<B> {
         let parked = self.policy.draft_parked(plan.seqs.len());
         let budget = self.cfg.max_step_tokens.saturating_sub(plan.tokens());
         let mut drafts = if self.policy.enabled() && !parked {
-            self.drafter
-                .propose(&self.model, &mut self.policy, plan, budget)
+            self.drafter.propose(
+                &self.model,
+                self.tp.as_ref(),
+                &mut self.policy,
+                plan,
+                budget,
+            )
         } else {
             Drafts::none(plan.seqs.len())
         };
@@ -600,6 +605,9 @@ impl<B: Backend> ModelRunner for Runner<B> {
                     self.model
                         .backend
                         .move_kv(&mut self.kv, s.block_table, &moves)?;
+                    if let Some(tp) = &self.tp {
+                        tp.move_kv(s.block_table, &moves)?;
+                    }
                     confirmed_rows[w] = Some(
                         std::iter::once(f.first)
                             .chain(path.iter().map(|&c| f.first + 1 + c))
@@ -790,8 +798,13 @@ impl<B: Backend> Runner<B> {
             });
         }
         let captured = std::mem::take(&mut self.ws.captured);
-        self.drafter
-            .extend(&self.model, &mut self.policy, &captured, &confirmed);
+        self.drafter.extend(
+            &self.model,
+            self.tp.as_ref(),
+            &mut self.policy,
+            &captured,
+            &confirmed,
+        );
         self.ws.captured = captured;
     }
 }

@@ -25,11 +25,18 @@
 use std::collections::HashMap;
 
 use super::tree::{self, Candidate, DraftTree};
-use crate::backend::{Backend, KvLayout, Precision, SeqSpan, TreeMask};
+use crate::backend::{Backend, SeqSpan, TreeMask};
 use crate::batching::scheduler::SeqId;
 use crate::error::Result;
-use crate::model::{DraftInput, DraftWorkspace, Eagle3Draft};
+use crate::model::{DraftSource, DraftState, DraftStep, Eagle3Draft};
 use crate::sampling::argmax;
+
+/// Runs one draft step on every rank holding a part of the draft (the one rank without tensor
+/// parallelism) and returns its logits: the runner's bridge to the backend, the target's
+/// embeddings and captured states, and the tensor-parallel peers. The drafter itself only
+/// decides what to run and reads the logits.
+pub type RunDraftStep<'a, B> =
+    dyn FnMut(&Eagle3Draft<B>, &mut DraftState<B>, &DraftStep<'_>) -> Result<Vec<f32>> + 'a;
 
 /// One sequence's positions confirmed by the target step just run.
 pub struct Confirmed<'a> {
@@ -81,10 +88,9 @@ struct Pending {
 
 pub struct EagleDrafter<B: Backend> {
     draft: Eagle3Draft<B>,
-    kv: B::KvStore,
-    ws: DraftWorkspace<B>,
-    /// The last extend's output hidden states, a row per sequence in `pending`.
-    hidden: B::Buffer,
+    /// Rank 0's draft KV and states (the last extend's outputs hold a row per sequence in
+    /// `pending`, at its `row`).
+    state: DraftState<B>,
     pending: HashMap<SeqId, Pending>,
     /// Candidates per draft step (1: chains).
     topk: usize,
@@ -98,21 +104,10 @@ impl<B: Backend> EagleDrafter<B> {
         block_size: usize,
         topk: usize,
     ) -> Result<Self> {
-        // f32 in every mode: the draft only proposes, and its cache is one layer.
-        let kv = backend.kv_store(
-            1,
-            n_blocks,
-            block_size,
-            draft.kv_width(),
-            KvLayout::KeysAndValues,
-            Precision::Exact,
-        )?;
         Ok(EagleDrafter {
             topk: topk.max(1),
+            state: DraftState::new(backend, &draft, n_blocks, block_size)?,
             draft,
-            kv,
-            ws: DraftWorkspace::new(backend)?,
-            hidden: backend.buffer(0, 0)?,
             pending: HashMap::new(),
         })
     }
@@ -127,16 +122,10 @@ impl<B: Backend> EagleDrafter<B> {
         self.pending.get(&id).is_some_and(|p| p.len == len)
     }
 
-    /// Runs the draft over every confirmed position of the last target step (`captured`: its
-    /// aux-layer hidden states, a row per step token) and keeps the first draft token of each
+    /// Runs the draft over every confirmed position of the last target step (`run` reads its
+    /// captured aux-layer states, a row per step token) and keeps the first draft token of each
     /// sequence that decodes next.
-    pub fn extend(
-        &mut self,
-        backend: &B,
-        target_embed: &B::Matrix,
-        captured: &[B::Buffer],
-        seqs: &[Confirmed<'_>],
-    ) -> Result<()> {
+    pub fn extend(&mut self, run: &mut RunDraftStep<'_, B>, seqs: &[Confirmed<'_>]) -> Result<()> {
         self.pending.clear();
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
@@ -167,24 +156,18 @@ impl<B: Backend> EagleDrafter<B> {
         if tokens.is_empty() {
             return Ok(());
         }
-        let aux: Vec<B::Buffer> = captured
-            .iter()
-            .map(|c| backend.gather_rows(c, &source_rows))
-            .collect::<Result<_>>()?;
-        let out = self.draft.forward(
-            backend,
-            target_embed,
-            &mut self.kv,
-            &tokens,
-            &positions,
-            &spans,
-            DraftInput::Target(&aux),
-            &rows,
-            &mut self.ws,
-        )?;
+        let step = DraftStep {
+            tokens: &tokens,
+            positions: &positions,
+            spans: &spans,
+            source: DraftSource::Captured,
+            input_rows: &source_rows,
+            rows: &rows,
+        };
+        let logits = run(&self.draft, &mut self.state, &step)?;
         let vocab = self.draft.config.draft_vocab_size;
         for (row, &(id, len)) in owners.iter().enumerate() {
-            let logits = &out.logits[row * vocab..(row + 1) * vocab];
+            let logits = &logits[row * vocab..(row + 1) * vocab];
             let first = self.draft.target_id(argmax(logits) as usize);
             let top = if self.topk > 1 {
                 self.top_tokens(logits)
@@ -201,7 +184,6 @@ impl<B: Backend> EagleDrafter<B> {
                 },
             );
         }
-        self.hidden = out.hidden;
         Ok(())
     }
 
@@ -209,8 +191,7 @@ impl<B: Backend> EagleDrafter<B> {
     /// chained steps batched across the sequences still drafting.
     pub fn propose(
         &mut self,
-        backend: &B,
-        target_embed: &B::Matrix,
+        run: &mut RunDraftStep<'_, B>,
         reqs: &[ChainRequest<'_>],
     ) -> Result<Vec<Vec<u32>>> {
         let mut drafts: Vec<Vec<u32>> = reqs
@@ -223,22 +204,23 @@ impl<B: Backend> EagleDrafter<B> {
             })
             .collect();
         let vocab = self.draft.config.draft_vocab_size;
-        // Indices into `reqs` of the sequences in `hidden`'s rows, in order.
+        // Indices into `reqs` of the sequences drafting, in order, and the row of each one's
+        // input state in `source`.
         let mut active: Vec<usize> = (0..reqs.len()).filter(|&i| !drafts[i].is_empty()).collect();
-        let rows: Vec<usize> = active
+        let mut source = DraftSource::Extended;
+        let mut source_rows: Vec<usize> = active
             .iter()
             .filter_map(|&i| self.pending.get(&reqs[i].id).map(|p| p.row))
             .collect();
-        let mut hidden = backend.gather_rows(&self.hidden, &rows)?;
         for j in 1.. {
-            // Those wanting more than j tokens continue; their rows in the current `hidden`.
+            // Those wanting more than j tokens continue.
             let keep: Vec<usize> = (0..active.len())
                 .filter(|&a| reqs[active[a]].k > j)
                 .collect();
             if keep.is_empty() {
                 break;
             }
-            let input = backend.gather_rows(&hidden, &keep)?;
+            let input_rows: Vec<usize> = keep.iter().map(|&a| source_rows[a]).collect();
             active = keep.iter().map(|&a| active[a]).collect();
             let tokens: Vec<u32> = active
                 .iter()
@@ -260,22 +242,22 @@ impl<B: Backend> EagleDrafter<B> {
                 })
                 .collect();
             let all: Vec<usize> = (0..active.len()).collect();
-            let out = self.draft.forward(
-                backend,
-                target_embed,
-                &mut self.kv,
-                &tokens,
-                &positions,
-                &spans,
-                DraftInput::Own(&input),
-                &all,
-                &mut self.ws,
-            )?;
+            let step = DraftStep {
+                tokens: &tokens,
+                positions: &positions,
+                spans: &spans,
+                source,
+                input_rows: &input_rows,
+                rows: &all,
+            };
+            let logits = run(&self.draft, &mut self.state, &step)?;
             for (t, &i) in active.iter().enumerate() {
-                let id = argmax(&out.logits[t * vocab..(t + 1) * vocab]) as usize;
+                let id = argmax(&logits[t * vocab..(t + 1) * vocab]) as usize;
                 drafts[i].push(self.draft.target_id(id));
             }
-            hidden = out.hidden;
+            // The next step reads this one's outputs, a row per active sequence.
+            source = DraftSource::Previous;
+            source_rows = all;
         }
         Ok(drafts)
     }
@@ -295,14 +277,14 @@ impl<B: Backend> EagleDrafter<B> {
     /// every request in one batch; the best `nodes` candidates are kept.
     pub fn propose_tree(
         &mut self,
-        backend: &B,
-        target_embed: &B::Matrix,
+        run: &mut RunDraftStep<'_, B>,
         reqs: &[TreeRequest<'_>],
     ) -> Result<Vec<DraftTree>> {
         let k = self.topk;
         let vocab = self.draft.config.draft_vocab_size;
         let mut cands: Vec<Vec<Candidate>> = Vec::with_capacity(reqs.len());
-        // Per request: frontier candidates, and each one's row in `hidden` (its input state).
+        // Per request: frontier candidates, and each one's input state: a row of `rows` (the
+        // extend's outputs) at depth 1, of the previous step's outputs after that.
         let mut frontier: Vec<Vec<(usize, usize)>> = Vec::with_capacity(reqs.len());
         // Per request: the draft KV slot (relative to the current token's) of each candidate
         // already run through the draft, and the next free one.
@@ -332,7 +314,7 @@ impl<B: Backend> EagleDrafter<B> {
             cands.push(c);
             frontier.push(f);
         }
-        let mut hidden = backend.gather_rows(&self.hidden, &rows)?;
+        let mut source = DraftSource::Extended;
         for d in 1.. {
             // Frontier nodes at depth d of requests wanting depth > d run through the draft.
             let mut tokens = Vec::new();
@@ -364,7 +346,10 @@ impl<B: Backend> EagleDrafter<B> {
                     // Depth-d nodes sit at position len - 1 + d; the draft step feeding one runs
                     // at the position before (as in a chain).
                     positions.push(r.len - 2 + d);
-                    input_rows.push(h);
+                    input_rows.push(match source {
+                        DraftSource::Extended => rows[h],
+                        _ => h,
+                    });
                     owner.push((ri, c));
                 }
                 span_of.push((
@@ -392,25 +377,22 @@ impl<B: Backend> EagleDrafter<B> {
                     }),
                 })
                 .collect();
-            let input = backend.gather_rows(&hidden, &input_rows)?;
             let all: Vec<usize> = (0..tokens.len()).collect();
-            let out = self.draft.forward(
-                backend,
-                target_embed,
-                &mut self.kv,
-                &tokens,
-                &positions,
-                &spans,
-                DraftInput::Own(&input),
-                &all,
-                &mut self.ws,
-            )?;
+            let step = DraftStep {
+                tokens: &tokens,
+                positions: &positions,
+                spans: &spans,
+                source,
+                input_rows: &input_rows,
+                rows: &all,
+            };
+            let logits = run(&self.draft, &mut self.state, &step)?;
             drop(spans);
             // Children of every expanded node; the best `topk` of each request form its frontier.
             let mut children: Vec<Vec<(usize, usize)>> = vec![Vec::new(); reqs.len()];
             for (t, &(ri, c)) in owner.iter().enumerate() {
                 let parent = cands[ri][c];
-                for (token, lp) in self.top_tokens(&out.logits[t * vocab..(t + 1) * vocab]) {
+                for (token, lp) in self.top_tokens(&logits[t * vocab..(t + 1) * vocab]) {
                     cands[ri].push(Candidate {
                         token,
                         parent: Some(c),
@@ -430,7 +412,7 @@ impl<B: Backend> EagleDrafter<B> {
                 ch.truncate(k);
                 frontier[ri] = ch;
             }
-            hidden = out.hidden;
+            source = DraftSource::Previous;
         }
         Ok(reqs
             .iter()

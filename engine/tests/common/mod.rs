@@ -251,19 +251,68 @@ pub fn eagle3_tree_flags(draft: &str) -> [&str; 10] {
 /// prompts the target often agrees, so drafts are both accepted (the draft-extend then covers
 /// several positions) and rejected — what exactness needs exercised.
 pub fn write_small_vocab_draft(dir: &std::path::Path, tokens: &[u32]) {
+    write_draft(dir, tokens, &DraftShape::SMOLLM2);
+}
+
+/// The shape of a test-time EAGLE-3 head: its layer, and the target it reads.
+#[allow(dead_code)]
+pub struct DraftShape {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// The target's vocabulary.
+    pub vocab: usize,
+    /// The target layers it reads.
+    pub aux_layers: [usize; 3],
+}
+
+#[allow(dead_code)]
+impl DraftShape {
+    /// For SmolLM2-135M.
+    pub const SMOLLM2: DraftShape = DraftShape {
+        hidden: 576,
+        intermediate: 64,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        vocab: 49152,
+        aux_layers: [2, 15, 27],
+    };
+    /// For the tiny DeepSeek-V3 fixture (4 heads: it splits over 2 and 4 ranks as its target).
+    pub const TINY_DEEPSEEK: DraftShape = DraftShape {
+        hidden: 64,
+        intermediate: 128,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        vocab: 512,
+        aux_layers: [0, 1, 2],
+    };
+}
+
+/// A [`write_small_vocab_draft`] head of another `shape`.
+pub fn write_draft(dir: &std::path::Path, tokens: &[u32], shape: &DraftShape) {
     use safetensors::tensor::{Dtype, TensorView};
-    let (h, inter, heads, kv_heads, hd) = (576usize, 64usize, 9usize, 3usize, 64usize);
+    let (h, inter, heads, kv_heads, hd) = (
+        shape.hidden,
+        shape.intermediate,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+    );
     std::fs::create_dir_all(dir).expect("draft dir");
     let config = serde_json::json!({
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
         "draft_vocab_size": tokens.len(),
-        "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
+        "eagle_aux_hidden_state_layer_ids": shape.aux_layers,
         "norm_before_residual": false,
         "transformer_layer_config": {
             "model_type": "llama", "hidden_size": h, "intermediate_size": inter,
             "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-            "head_dim": hd, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+            "head_dim": hd, "vocab_size": shape.vocab, "rms_norm_eps": 1e-5,
             "rope_theta": 100000.0, "max_position_embeddings": 8192
         }
     });

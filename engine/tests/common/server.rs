@@ -40,11 +40,14 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn kiln serve");
-        let s = Server { child, port };
+        let mut s = Server { child, port };
         let t0 = Instant::now();
         loop {
             if let Ok((200, _)) = s.try_request("GET", "/ready", &[], b"") {
                 return s;
+            }
+            if let Ok(Some(status)) = s.child.try_wait() {
+                panic!("kiln serve {args:?} exited before it was ready ({status})");
             }
             assert!(t0.elapsed() < Duration::from_secs(120), "server not ready");
             std::thread::sleep(Duration::from_millis(100));
