@@ -55,7 +55,7 @@ DRAFT_PARAMS = (
     + 3 * HIDDEN * DENSE_INTER  # the MLP
     + DRAFT_VOCAB * HIDDEN  # the draft LM head
 )
-DRAFT_STEPS = 3  # chain of 3 (tree speculation runs at tensor parallelism 1 only)
+DRAFT_STEPS = 3  # chain of 3, as SGLang's reference setup
 
 # --- The peers (ISSUE) ----------------------------------------------------------------------------
 SGLANG = {"baseline": {1: 92.7, 30: 689.4, 100: 773.1}, "eagle3": {1: 86.8, 30: 759.3, 100: 775.0}}
@@ -147,10 +147,13 @@ def forward_time(tokens, sequences, context, v):
 
 
 def draft_time(sequences, v):
-    """One EAGLE-3 draft step for `sequences` sequences: kiln runs the head whole on rank 0."""
+    """One EAGLE-3 draft step for `sequences` sequences. Split (kiln since 2026-12-07): every rank
+    reads 1/8 of the head, then the attention's and the MLP's all-reduces and the gather of the
+    draft logits (charged as a third small collective; the extend's fc adds a fourth, once per
+    step, which this per-draft-step figure leaves out). Whole: rank 0 reads all of it."""
     if v["split_draft"]:
         weights = DRAFT_PARAMS * BF16 / GPUS / (HBM_BW * ETA_DENSE)
-        return weights + 2 * all_reduce_time(sequences * HIDDEN * BF16, v["one_shot"], v["bubble"])
+        return weights + 3 * all_reduce_time(sequences * HIDDEN * BF16, v["one_shot"], v["bubble"])
     return DRAFT_PARAMS * BF16 / (HBM_BW * ETA_DENSE)
 
 
@@ -167,24 +170,24 @@ def step(c, context, accept, spec, v):
 
 
 VARIANTS = {
-    "kiln as built": {
-        # Expert-parallel experts (the default --moe-split), the LM head split by vocabulary, the
-        # EAGLE-3 head whole on rank 0.
-        "expert_parallel": lambda tokens: True,
-        "split_lm_head": True,
-        "one_shot": True,
-        "bubble": False,
-        "split_draft": False,
-    },
-    "kiln as built, --moe-split columns": {
+    "kiln before 2026-12-07 (head whole on rank 0)": {
+        # What the head's split replaced: --moe-split columns, the EAGLE-3 head whole on rank 0.
         "expert_parallel": lambda tokens: False,
         "split_lm_head": True,
         "one_shot": True,
         "bubble": False,
         "split_draft": False,
     },
-    "kiln, gaps closed": {
-        # Experts split by columns (`--moe-split columns`) and the draft head split too (not built).
+    "kiln as built": {
+        # Expert-parallel experts (the default --moe-split), the LM head split by vocabulary, the
+        # EAGLE-3 head split across the ranks.
+        "expert_parallel": lambda tokens: True,
+        "split_lm_head": True,
+        "one_shot": True,
+        "bubble": False,
+        "split_draft": True,
+    },
+    "kiln as built, --moe-split columns": {
         "expert_parallel": lambda tokens: False,
         "split_lm_head": True,
         "one_shot": True,
@@ -230,8 +233,8 @@ def main():
     # How the served figure with the gaps closed moves with the inputs that are least known.
     global ETA_EXPERT, NCCL_BUS_BW
     saved = (ETA_EXPERT, NCCL_BUS_BW)
-    closed = VARIANTS["kiln, gaps closed"]
-    print("\nGaps closed, served tok/s (adaptive: the better of baseline and EAGLE-3) as the least-known inputs move:\n")
+    closed = VARIANTS["kiln as built, --moe-split columns"]
+    print("\nAs built with --moe-split columns, served tok/s (adaptive: the better of baseline and EAGLE-3) as the least-known inputs move:\n")
     print("| INT4 expert kernel (of bandwidth) | NCCL bus GB/s | EAGLE-3 tokens per verify | C = 1 | C = 32 | C = 100 |")
     print("|---|---|---|---|---|---|")
     for eta in (0.6, 0.8, 1.0):
