@@ -666,6 +666,8 @@ fn eagle3_split_over_2_and_4_ranks_drafts_as_one_rank_and_keeps_greedy_output_ex
     let mut frequent: Vec<(u32, usize)> = seen.into_iter().collect();
     frequent.sort_by_key(|&(t, n)| (std::cmp::Reverse(n), t));
     let tokens: Vec<u32> = frequent.iter().take(4).map(|&(t, _)| t).collect();
+    // Four: the draft vocabulary splits over 2 and 4 ranks, so the LM head's split is tested.
+    assert_eq!(tokens.len(), 4, "distinct greedy tokens");
     let head = std::env::temp_dir().join(format!("kiln-tp-draft-{}", std::process::id()));
     common::write_draft(&head, &tokens, &common::DraftShape::TINY_DEEPSEEK);
     let draft = head.to_string_lossy().to_string();

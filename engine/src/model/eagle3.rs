@@ -265,6 +265,9 @@ pub struct Eagle3Draft<B: Backend> {
     lm_head: B::Matrix,
     /// This rank's slice of the draft vocabulary (its LM head rows); `None`: the whole head.
     vocab_slice: Option<Range<usize>>,
+    /// Whether this is one rank's shard (its forward sums over the group); `false`: the whole
+    /// head, also under tensor parallelism when the head does not divide across the ranks.
+    split: bool,
     /// Query and KV heads this rank's shard of the layer holds.
     local_heads: usize,
     local_kv_heads: usize,
@@ -330,12 +333,22 @@ impl<B: Backend> Eagle3Draft<B> {
             ));
         }
         let n_aux = fc_cols / target.hidden_size;
-        let plan = shard.plan(&config.layer).map_err(|e| {
-            Error::config(
-                &cfg_path,
-                format!("the EAGLE-3 draft head cannot be split: {e}"),
-            )
-        })?;
+        // A head whose heads or MLP do not divide across the ranks runs whole on every rank
+        // (each computes the same draft on its own, without collectives): as slow as a head
+        // whole on rank 0, but it serves.
+        let (shard, plan) = match shard.plan(&config.layer) {
+            Ok(plan) => (shard, plan),
+            Err(e) if shard.world > 1 => {
+                if shard.rank == 0 {
+                    tracing::warn!(
+                        "{}: the EAGLE-3 head runs whole on every rank ({e})",
+                        dir.display()
+                    );
+                }
+                (Shard::WHOLE, Shard::WHOLE.plan(&config.layer)?)
+            }
+            Err(e) => return Err(Error::config(&cfg_path, e.to_string())),
+        };
         let (w, rank) = (shard.world, shard.rank);
         let whole = w == 1;
         // Row and column slices of a stored matrix for this rank (the whole of it on one rank).
@@ -464,6 +477,7 @@ impl<B: Backend> Eagle3Draft<B> {
             )?,
             vocab_slice,
             fc_columns,
+            split: !whole,
             local_heads: plan.q_heads.len(),
             local_kv_heads: plan.kv_heads.len(),
             draft_to_target,
@@ -538,6 +552,7 @@ impl<B: Backend> Eagle3Draft<B> {
             spans,
             rows,
         } = *batch;
+        let comm = comm.filter(|_| self.split);
         let reduce = |x: &mut B::Buffer| -> Result<()> {
             match comm {
                 Some(comm) => backend.all_reduce_sum(x, comm),
@@ -635,8 +650,12 @@ impl<B: Backend> Eagle3Draft<B> {
                 // known here.
                 comm.end_step()?;
                 match &self.vocab_slice {
-                    Some(slice) => gather_vocab_slices(&local, slice.len(), rows.len(), comm)?,
-                    None => local,
+                    // No rows kept (an extend where no sequence drafts next): nothing to gather,
+                    // on every rank alike.
+                    Some(slice) if !rows.is_empty() => {
+                        gather_vocab_slices(&local, slice.len(), rows.len(), comm)?
+                    }
+                    _ => local,
                 }
             }
             None => local,

@@ -89,7 +89,8 @@ impl<B: Backend> Drafter<B> {
 
     /// Proposals for the plan's decoding sequences: each proposes what it can, the policy picks
     /// K for the batch, and the step's token budget (`budget`: tokens left after the plan's own)
-    /// caps the total.
+    /// caps the total. A failed draft only costs drafts, unless it took the backend or the
+    /// tensor-parallel group down with it (then the step fails as a target step would).
     pub fn propose(
         &mut self,
         m: &LoadedModel<B>,
@@ -97,18 +98,19 @@ impl<B: Backend> Drafter<B> {
         policy: &mut Policy,
         plan: &StepPlan<'_>,
         budget: usize,
-    ) -> Drafts {
-        match self {
+    ) -> Result<Drafts> {
+        Ok(match self {
             Drafter::Off => Drafts::none(plan.seqs.len()),
             Drafter::Ngram => propose_ngram(policy, plan, budget),
             Drafter::Eagle(e) => {
-                propose_eagle(e, &mut draft_steps(m, tp, &[]), policy, plan, budget)
+                propose_eagle(e, &mut draft_steps(m, tp, &[]), policy, plan, budget)?
             }
-        }
+        })
     }
 
     /// EAGLE-3: the head extends over every position this step confirmed (`captured`: the
-    /// target's aux-layer states, a row per step token). A failure only costs drafts.
+    /// target's aux-layer states, a row per step token). A failure only costs drafts, unless
+    /// it took the backend or the tensor-parallel group down.
     pub fn extend(
         &mut self,
         m: &LoadedModel<B>,
@@ -116,16 +118,22 @@ impl<B: Backend> Drafter<B> {
         policy: &mut Policy,
         captured: &[B::Buffer],
         seqs: &[Confirmed<'_>],
-    ) {
-        let Drafter::Eagle(e) = self else { return };
+    ) -> Result<()> {
+        let Drafter::Eagle(e) = self else {
+            return Ok(());
+        };
         let t = Instant::now();
         if let Err(err) = e.extend(&mut draft_steps(m, tp, captured), seqs) {
+            if err.backend_lost() {
+                return Err(err);
+            }
             tracing::error!("EAGLE-3 draft extend failed: {err}");
         }
         if !seqs.is_empty() {
             // A parked step's empty extend is not what keeping the draft costs.
             policy.record_extend(t.elapsed().as_secs_f64());
         }
+        Ok(())
     }
 
     pub fn is_eagle(&self) -> bool {
@@ -182,7 +190,7 @@ fn propose_eagle<B: Backend>(
     policy: &mut Policy,
     plan: &StepPlan<'_>,
     mut budget: usize,
-) -> Drafts {
+) -> Result<Drafts> {
     let spec = policy.cfg;
     let mut drafts = Drafts::none(plan.seqs.len());
     let mut other_tokens = 0;
@@ -216,7 +224,7 @@ fn propose_eagle<B: Backend>(
         budget -= verified;
     }
     if chosen.is_empty() {
-        return drafts;
+        return Ok(drafts);
     }
     let t = Instant::now();
     let proposed: Result<Vec<(Vec<u32>, Option<DraftTree>)>> = if tree {
@@ -257,9 +265,10 @@ fn propose_eagle<B: Backend>(
     };
     let proposed = match proposed {
         Ok(p) => p,
+        Err(e) if e.backend_lost() => return Err(e),
         Err(e) => {
             tracing::error!("EAGLE-3 drafting failed: {e}");
-            return drafts;
+            return Ok(drafts);
         }
     };
     let longest = chosen.iter().map(|&(_, d, _)| d).max().unwrap_or(0);
@@ -276,5 +285,5 @@ fn propose_eagle<B: Backend>(
         drafts.tokens[w] = tokens;
         drafts.trees[w] = tree.filter(|t| !t.is_empty());
     }
-    drafts
+    Ok(drafts)
 }

@@ -516,7 +516,7 @@ impl<B: Backend> ModelRunner for Runner<B> {
                 &mut self.policy,
                 plan,
                 budget,
-            )
+            )?
         } else {
             Drafts::none(plan.seqs.len())
         };
@@ -631,7 +631,8 @@ impl<B: Backend> ModelRunner for Runner<B> {
             outputs.push(out);
         }
         if self.drafter.is_eagle() {
-            self.extend_draft(plan, &fed, &outputs, &confirmed_rows, parked);
+            // Fails only when the draft took the backend or the group down with it.
+            self.extend_draft(plan, &fed, &outputs, &confirmed_rows, parked)?;
         }
         Ok(StepOutput {
             seqs: outputs,
@@ -757,7 +758,7 @@ impl<B: Backend> Runner<B> {
         outputs: &[SeqOutput],
         confirmed_rows: &[Option<Vec<usize>>],
         parked: bool,
-    ) {
+    ) -> Result<()> {
         // Each sequence's tokens after this step: the draft reads the token after every
         // confirmed position.
         let grown: Vec<Vec<u32>> = plan
@@ -798,7 +799,7 @@ impl<B: Backend> Runner<B> {
             });
         }
         let captured = std::mem::take(&mut self.ws.captured);
-        self.drafter.extend(
+        let extended = self.drafter.extend(
             &self.model,
             self.tp.as_ref(),
             &mut self.policy,
@@ -806,5 +807,6 @@ impl<B: Backend> Runner<B> {
             &confirmed,
         );
         self.ws.captured = captured;
+        extended
     }
 }
