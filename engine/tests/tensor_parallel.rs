@@ -277,3 +277,45 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
     assert!(t0.elapsed() < Duration::from_secs(20));
     drop(comms);
 }
+
+/// A peer that fails a job rank 0 does not wait for (a tree's KV move) reports it and leaves; the
+/// next job that cannot reach it fails the group with that report's cause, not only "rank 1
+/// failed".
+#[test]
+fn a_peer_failing_a_kv_move_takes_the_group_down_with_its_cause() {
+    use kiln::backend::cpu::CpuBackend;
+    use kiln::parallel::{PeerConfig, TpGroup};
+
+    let cfg = PeerConfig {
+        device: Device::Cpu,
+        model: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3"),
+        precision: Precision::Exact,
+        threads_per_rank: 1,
+        block_size: 16,
+        group: Default::default(),
+        moe: Default::default(),
+        draft_model: None,
+    };
+    let group = TpGroup::spawn(cfg, 2, Duration::from_secs(10), &CpuBackend::new())
+        .expect("the group starts");
+    group.size_caches(4).expect("the peer sizes its cache");
+    // Position 100 lies past the one-block table: the peer's move panics.
+    group
+        .move_kv(&[0], &[(100, 0)])
+        .expect("a KV move is sent without waiting");
+    let t0 = std::time::Instant::now();
+    let e = loop {
+        match group.move_kv(&[0], &[]) {
+            Err(e) => break e,
+            Ok(()) => {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(20),
+                    "the peer never left"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    };
+    assert!(e.to_string().contains("panicked"), "{e}");
+    assert!(e.backend_lost(), "{e}");
+}

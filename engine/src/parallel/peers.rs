@@ -424,6 +424,12 @@ impl TpPeers {
         self.send(|| PeerJob::Step(job.clone()))
     }
 
+    /// The failure a peer has already reported, if any, without waiting: a peer that failed a
+    /// job no one waited for (a KV move) reported it and left, and a later send finds it gone.
+    fn reported_failure(&self) -> Option<Error> {
+        cause(std::iter::from_fn(|| self.reports.try_recv().ok()).filter_map(|(_, r)| r.err()))
+    }
+
     /// Waits for every peer's step; a peer's own error wins over the echoes of it.
     pub fn collect(&self) -> Result<()> {
         self.wait_for_each()
@@ -515,11 +521,29 @@ impl TpGroup {
             block_table: block_table.to_vec(),
             moves: moves.to_vec(),
         });
-        let sent = self.peers.send(|| PeerJob::MoveKv(job.clone()));
-        if sent.is_err() {
-            self.comm.abort();
+        self.peers
+            .send(|| PeerJob::MoveKv(job.clone()))
+            .map_err(|e| self.send_failed(e))
+    }
+
+    /// A job that could not reach every peer: the group goes down, with the cause a peer
+    /// reported before it left when there is one (the send's own error only says which peer's
+    /// channel was closed).
+    fn send_failed(&self, e: Error) -> Error {
+        // The peers that got the job must not wait out the deadline for rank 0.
+        self.comm.abort();
+        let e = self.peers.reported_failure().unwrap_or(e);
+        Self::group_down(e)
+    }
+
+    /// An error in the type the engine exits on (its service manager restarts the whole
+    /// server): whatever failed, the group is down.
+    fn group_down(e: Error) -> Error {
+        if e.backend_lost() {
+            e
+        } else {
+            Error::Parallel(CommError::GroupDown(e.to_string()))
         }
-        sent
     }
 
     /// One EAGLE-3 draft step across the group, as [`TpGroup::step`]: every peer runs `step`
@@ -539,9 +563,7 @@ impl TpGroup {
         rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
     ) -> Result<Vec<f32>> {
         if let Err(e) = self.peers.send(job) {
-            // The peers that got the step must not wait out the deadline for rank 0.
-            self.comm.abort();
-            return Err(e);
+            return Err(self.send_failed(e));
         }
         let mine = rank0(self.rank0_comm());
         if mine.is_err() {
@@ -553,14 +575,8 @@ impl TpGroup {
             (mine, peers) => {
                 let e = cause(mine.err().into_iter().chain(peers.err()))
                     .unwrap_or(Error::Parallel(CommError::PeerFailed { rank: 0 }));
-                // Whatever failed, the group is down: say so in the type the engine exits on
-                // (its service manager restarts the whole server).
                 self.comm.abort();
-                Err(if e.backend_lost() {
-                    e
-                } else {
-                    Error::Parallel(CommError::GroupDown(e.to_string()))
-                })
+                Err(Self::group_down(e))
             }
         }
     }
