@@ -35,12 +35,23 @@ fn runner_of(
     sampling: SamplingSite,
     graphs: GraphUse,
 ) -> Box<dyn ModelRunner> {
+    split_runner_of(model, spec, sampling, graphs, 1)
+}
+
+/// [`runner_of`] split over `world` tensor-parallel ranks.
+fn split_runner_of(
+    model: std::path::PathBuf,
+    spec: SpecConfig,
+    sampling: SamplingSite,
+    graphs: GraphUse,
+    world: usize,
+) -> Box<dyn ModelRunner> {
     let load = LoadSpec {
         device: Device::Cpu,
         model,
         precision: Precision::Exact,
         threads: Some(2),
-        tensor_parallel: 1,
+        tensor_parallel: world,
         collective_timeout: std::time::Duration::from_secs(60),
         group: Default::default(),
         moe_split: Default::default(),
@@ -496,6 +507,30 @@ fn mla_and_moe_decode_steps_padded_to_graph_buckets_keep_every_token() {
         assert!(buckets[1..].iter().all(|&b| b == Some(4)), "{buckets:?}");
         assert_eq!(got, want, "padding changed the tokens ({sampling:?})");
     }
+}
+
+/// Padded decode steps under tensor parallelism: every rank runs the padded step (the padding
+/// writing to the extra block each rank's cache keeps) and the gathered logits give the tokens
+/// of TP = 1's unpadded steps.
+#[test]
+fn decode_steps_padded_to_graph_buckets_split_over_2_ranks_keep_every_token() {
+    let model = common::tiny_with_tokenizer("deepseek-v3");
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 17, 42, 8, 99], vec![3, 3, 60], vec![71, 2, 30, 11]];
+    let load = |graphs, world| {
+        split_runner_of(
+            model.clone(),
+            SpecConfig::default(),
+            SamplingSite::Auto,
+            graphs,
+            world,
+        )
+    };
+    let (want, _) = batch_run(load(GraphUse::Off, 1).as_mut(), &prompts, 8);
+    let mut split = load(GraphUse::PadOnly { max_bs: 8 }, 2);
+    let (got, buckets) = batch_run(split.as_mut(), &prompts, 8);
+    assert_eq!(buckets[0], None);
+    assert!(buckets[1..].iter().all(|&b| b == Some(4)), "{buckets:?}");
+    assert_eq!(got, want, "TP = 2 padded steps vs TP = 1");
 }
 
 /// A runner whose step panics once (as a bug in a kernel would), around a real one.

@@ -486,6 +486,10 @@ pub trait Backend: Send + Sync {
             self.name()
         )))
     }
+    /// Whether the graph of batch size `bucket` is recorded (and not dropped since).
+    fn has_graph(&self, _bucket: usize) -> bool {
+        false
+    }
     /// Ends the phase: keeps the recorded graph, or launches the replayed one.
     fn end_graph(&self) -> Result<()> {
         Err(crate::Error::Device(format!(

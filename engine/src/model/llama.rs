@@ -648,12 +648,37 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         comm: &dyn Communicator,
     ) -> Result<Vec<f32>> {
-        self.forward_inner(backend, kv, batch, ws, Some(comm))?;
+        self.forward_sharded_in_place(backend, kv, batch, ws, comm)?;
+        self.sharded_logits(backend, ws, batch.logit_rows.len(), comm)
+    }
+
+    /// [`Llama::forward_sharded`] up to its logits, which stay in the workspace: the part of a
+    /// step a graph records (its collectives included).
+    pub fn forward_sharded_in_place(
+        &self,
+        backend: &B,
+        kv: &mut B::KvStore,
+        batch: &ForwardBatch<'_>,
+        ws: &mut Workspace<B>,
+        comm: &dyn Communicator,
+    ) -> Result<()> {
+        self.forward_inner(backend, kv, batch, ws, Some(comm))
+    }
+
+    /// The rest of [`Llama::forward_sharded`]: this rank's logits (`rows` rows) to the host,
+    /// the verdict on the step's collectives, and every rank's vocabulary slice gathered.
+    pub fn sharded_logits(
+        &self,
+        backend: &B,
+        ws: &Workspace<B>,
+        rows: usize,
+        comm: &dyn Communicator,
+    ) -> Result<Vec<f32>> {
         let local = backend.to_host(&ws.proj)?;
         // The step's collectives have all ended by now; whether they ended well is known here.
         comm.end_step()?;
         match &self.vocab_slice {
-            Some(slice) => gather_vocab_slices(&local, slice.len(), batch.logit_rows.len(), comm),
+            Some(slice) => gather_vocab_slices(&local, slice.len(), rows, comm),
             None => Ok(local),
         }
     }

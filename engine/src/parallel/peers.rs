@@ -15,6 +15,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -25,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::model::{
     DraftSource, DraftState, DraftStep, Eagle3Draft, ForwardBatch, Llama, Workspace,
 };
-use crate::runner::{Device, WithBackend};
+use crate::runner::{Device, GraphStep, WithBackend};
 
 /// A sequence's span, owned (its tree mask too: a verify or draft step of tree speculation
 /// masks every rank's attention alike), so it can cross to the rank threads.
@@ -75,15 +76,18 @@ struct OwnedBatch {
     positions: Vec<usize>,
     spans: Vec<OwnedSpan>,
     logit_rows: Vec<usize>,
+    /// A padded decode step's graph phase, which every rank runs on its own backend.
+    graph: Option<GraphStep>,
 }
 
 impl OwnedBatch {
-    fn from(b: &ForwardBatch<'_>) -> OwnedBatch {
+    fn from(b: &ForwardBatch<'_>, graph: Option<GraphStep>) -> OwnedBatch {
         OwnedBatch {
             tokens: b.tokens.to_vec(),
             positions: b.positions.to_vec(),
             spans: OwnedSpan::all(b.spans),
             logit_rows: b.logit_rows.to_vec(),
+            graph,
         }
     }
 }
@@ -118,7 +122,7 @@ type Report = (usize, Result<()>);
 /// Work rank 0 hands a peer.
 enum PeerJob {
     /// Allocate the KV cache (and the draft head's) with this many blocks (once, before the
-    /// first step).
+    /// first step), and one more that padded decode steps write to.
     SizeCache(usize),
     Step(Arc<OwnedBatch>),
     /// One step of the EAGLE-3 head over this rank's shard of it.
@@ -139,6 +143,8 @@ pub struct TpPeers {
     jobs: Vec<Sender<PeerJob>>,
     reports: Receiver<Report>,
     handles: Vec<JoinHandle<()>>,
+    /// A peer replayed a step eagerly since the last look: its graph was dropped.
+    graphs_missing: Arc<AtomicBool>,
 }
 
 /// Where the peers load from and how big their caches are (the engine's numbers).
@@ -162,12 +168,14 @@ fn peer_main(
     comm: &ThreadComm,
     jobs: Receiver<PeerJob>,
     reports: &Sender<Report>,
+    graphs_missing: &AtomicBool,
 ) {
     let peer = Peer {
         cfg,
         comm,
         jobs,
         reports,
+        graphs_missing,
     };
     let rank = comm.rank();
     let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -193,6 +201,9 @@ struct Peer<'a> {
     comm: &'a ThreadComm,
     jobs: Receiver<PeerJob>,
     reports: &'a Sender<Report>,
+    /// Set when this rank replayed a step eagerly (its graph was dropped) or could not record
+    /// one.
+    graphs_missing: &'a AtomicBool,
 }
 
 impl WithBackend for Peer<'_> {
@@ -204,6 +215,7 @@ impl WithBackend for Peer<'_> {
             comm,
             jobs,
             reports,
+            graphs_missing,
         } = self;
         let rank = comm.rank();
         let fail = |e: Error| {
@@ -263,7 +275,7 @@ impl WithBackend for Peer<'_> {
                 PeerJob::SizeCache(n_blocks) => (|| -> Result<()> {
                     kv = Some(backend.kv_store(
                         model.config.n_layers,
-                        n_blocks,
+                        n_blocks + 1,
                         cfg.block_size,
                         model.local_kv_width(),
                         model.config.kv_layout(),
@@ -275,7 +287,7 @@ impl WithBackend for Peer<'_> {
                     Ok(())
                 })(),
                 PeerJob::Step(job) => match kv.as_mut() {
-                    Some(kv) => step(&backend, &model, kv, &mut ws, &job, comm),
+                    Some(kv) => step(&backend, &model, kv, &mut ws, &job, comm, graphs_missing),
                     None => early("step"),
                 },
                 PeerJob::Draft(job) => match (&draft, draft_state.as_mut()) {
@@ -336,6 +348,7 @@ fn step<B: Backend>(
     ws: &mut Workspace<B>,
     job: &OwnedBatch,
     comm: &dyn Communicator,
+    graphs_missing: &AtomicBool,
 ) -> Result<()> {
     let spans = OwnedSpan::view(&job.spans);
     let batch = ForwardBatch {
@@ -345,9 +358,33 @@ fn step<B: Backend>(
         logit_rows: &job.logit_rows,
         fill: None,
     };
-    model
-        .forward_sharded(backend, kv, &batch, ws, comm)
-        .map(|_| ())
+    match job.graph {
+        None => model
+            .forward_sharded(backend, kv, &batch, ws, comm)
+            .map(|_| ()),
+        Some(graph) => {
+            let ran = graph.run(backend, || {
+                model.forward_sharded_in_place(backend, kv, &batch, ws, comm)
+            });
+            if !graph.computes()
+                && let Err(e) = &ran
+                && !e.backend_lost()
+            {
+                // A recording runs no collective: the group goes on, and rank 0 turns graphs off.
+                tracing::warn!("rank {} could not record a decode graph: {e}", comm.rank());
+                graphs_missing.store(true, Ordering::Relaxed);
+                return Ok(());
+            }
+            if !ran? {
+                graphs_missing.store(true, Ordering::Relaxed);
+            }
+            if graph.computes() {
+                // Its part of the logits gather (and the verdict on the step's collectives).
+                model.sharded_logits(backend, ws, batch.logit_rows.len(), comm)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 impl TpPeers {
@@ -367,13 +404,15 @@ impl TpPeers {
         let (report_tx, reports) = channel();
         let mut jobs = Vec::new();
         let mut handles = Vec::new();
+        let graphs_missing = Arc::new(AtomicBool::new(false));
         for comm in comms {
             let (job_tx, job_rx) = channel();
             jobs.push(job_tx);
             let (cfg, report_tx) = (cfg.clone(), report_tx.clone());
+            let missing = graphs_missing.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("kiln-tp-rank{}", comm.rank()))
-                .spawn(move || peer_main(&cfg, &comm, job_rx, &report_tx))
+                .spawn(move || peer_main(&cfg, &comm, job_rx, &report_tx, &missing))
                 .map_err(|e| Error::io(Path::new("kiln-tp thread"), e))?;
             handles.push(handle);
         }
@@ -381,6 +420,7 @@ impl TpPeers {
             jobs,
             reports,
             handles,
+            graphs_missing,
         })
     }
 
@@ -420,7 +460,7 @@ impl TpPeers {
 
     /// Hands this step's batch to every peer (rank 0 then runs its own shard).
     pub fn submit(&self, batch: &ForwardBatch<'_>) -> Result<()> {
-        let job = Arc::new(OwnedBatch::from(batch));
+        let job = Arc::new(OwnedBatch::from(batch, None));
         self.send(|| PeerJob::Step(job.clone()))
     }
 
@@ -510,7 +550,19 @@ impl TpGroup {
         batch: &ForwardBatch<'_>,
         rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
     ) -> Result<Vec<f32>> {
-        let job = Arc::new(OwnedBatch::from(batch));
+        self.step_in(batch, None, rank0)
+    }
+
+    /// [`TpGroup::step`] for a padded decode step (`graph`: its graph phase, which every rank
+    /// runs on its own backend: the graphs hold each rank's collectives, so the ranks' replays
+    /// meet in them as eager steps do).
+    pub fn step_in(
+        &self,
+        batch: &ForwardBatch<'_>,
+        graph: Option<GraphStep>,
+        rank0: impl FnOnce(&dyn Communicator) -> Result<Vec<f32>>,
+    ) -> Result<Vec<f32>> {
+        let job = Arc::new(OwnedBatch::from(batch, graph));
         self.across(|| PeerJob::Step(job.clone()), rank0)
     }
 
@@ -544,6 +596,13 @@ impl TpGroup {
         } else {
             Error::Parallel(CommError::GroupDown(e.to_string()))
         }
+    }
+
+    /// Whether a peer ran a replayed step eagerly (its graph was dropped when a buffer grew) or
+    /// could not record a graph since the last call: the runner then records the bucket again,
+    /// or turns graphs off.
+    pub fn take_graphs_missing(&self) -> bool {
+        self.peers.graphs_missing.swap(false, Ordering::Relaxed)
     }
 
     /// One EAGLE-3 draft step across the group, as [`TpGroup::step`]: every peer runs `step`

@@ -13,7 +13,8 @@
 //! padding without graphs on any backend, which is how the tests prove it leaves the tokens as
 //! they were.
 
-use crate::backend::SeqSpan;
+use crate::backend::{Backend, GraphPhase, SeqSpan};
+use crate::error::Result;
 
 /// SGLang's default `--cuda-graph-max-bs`-like bound kiln uses: batches up to this size decode
 /// from graphs.
@@ -198,6 +199,49 @@ impl DecodeGraphs {
             logit_rows: (0..bucket).collect(),
             fill: vec![-1; bucket],
         }
+    }
+}
+
+/// One forward of a padded step in a graph phase, as every tensor-parallel rank runs it on its
+/// own backend (the arguments of [`Backend::begin_graph`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphStep {
+    pub phase: GraphPhase,
+    pub bucket: usize,
+    pub context_bound: usize,
+    pub staging_bytes: usize,
+}
+
+impl GraphStep {
+    /// Runs `forward` inside the phase: begun, run, ended (launching a replay), or left after a
+    /// failure in between. A replay whose graph this backend no longer holds (dropped when a
+    /// buffer grew) runs `forward` eagerly instead and returns `false`: the step is the same, and
+    /// under tensor parallelism its collectives meet the other ranks' replayed ones alike; the
+    /// runner records the bucket again before its next replay.
+    pub fn run<B: Backend>(
+        self,
+        backend: &B,
+        forward: impl FnOnce() -> Result<()>,
+    ) -> Result<bool> {
+        if self.phase == GraphPhase::Replay && !backend.has_graph(self.bucket) {
+            return forward().map(|()| false);
+        }
+        backend.begin_graph(
+            self.bucket,
+            self.phase,
+            self.context_bound,
+            self.staging_bytes,
+        )?;
+        let run = forward().and_then(|()| backend.end_graph());
+        if run.is_err() {
+            backend.abort_graph();
+        }
+        run.map(|()| true)
+    }
+
+    /// Whether the phase computes anything (a recording only records: no logits to read).
+    pub fn computes(self) -> bool {
+        self.phase != GraphPhase::Record
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::accept::{self, DrawnRows, HostRows, Rows, StopRule};
 use super::drafter::{Drafter, Drafts};
-use super::graphs::{DecodeGraphs, GraphUse, Padded};
+use super::graphs::{DecodeGraphs, GraphStep, GraphUse, Padded};
 use super::guided;
 use super::plan::{SeqOutput, SeqParams, StepOutput, StepPlan, TokenMask};
 use super::{ModelInfo, ModelRunner, RunnerConfig, SamplingSite};
@@ -71,7 +71,7 @@ impl<B: Backend> Runner<B> {
     ) -> Result<Runner<B>> {
         let c = model.config();
         let n_blocks = cfg.n_blocks();
-        let graphs = Self::decode_graphs(&model, &cfg, tp.is_some());
+        let graphs = Self::decode_graphs(&model, &cfg);
         // This rank's KV heads only (all of them without tensor parallelism), and the block
         // padding sequences write to.
         let kv = model.backend.kv_store(
@@ -111,15 +111,16 @@ impl<B: Backend> Runner<B> {
     /// The decode graphs this runner uses: recorded ones on a backend that records them, for a
     /// model whose decode step neither waits for the host nor allocates once warm (MLA and MoE
     /// keep their activations across steps and route on the device; a MoE layer without a
-    /// shared expert still allocates its output), without tensor parallelism.
-    fn decode_graphs(model: &LoadedModel<B>, cfg: &RunnerConfig, tp: bool) -> Option<DecodeGraphs> {
+    /// shared expert still allocates its output), under tensor parallelism too (every rank
+    /// records its own graphs, collectives included).
+    fn decode_graphs(model: &LoadedModel<B>, cfg: &RunnerConfig) -> Option<DecodeGraphs> {
         let c = model.config();
         let (max_bs, record) = match cfg.graphs {
             GraphUse::Off => return None,
             GraphUse::PadOnly { max_bs } => (max_bs, false),
             GraphUse::Record { max_bs } => (max_bs, true),
         };
-        let graphable = !tp && c.moe.as_ref().is_none_or(|m| m.n_shared_experts > 0);
+        let graphable = c.moe.as_ref().is_none_or(|m| m.n_shared_experts > 0);
         if max_bs == 0 || !graphable || (record && !model.backend.records_graphs()) {
             return None;
         }
@@ -164,41 +165,81 @@ impl<B: Backend> Runner<B> {
         }
     }
 
-    /// One forward of a padded step inside a graph phase (no phase: eagerly, padding only).
-    fn graph_phase(&mut self, p: &Padded, phase: GraphPhase) -> Result<()> {
+    /// One forward of a padded step inside a graph phase. Under tensor parallelism every rank
+    /// runs the phase on its own backend, and the logits come back gathered on the host
+    /// (`Some`, empty for a recording); otherwise they stay in the workspace (`None`). A replay
+    /// that some rank ran eagerly (its graph was dropped) leaves the bucket to be recorded again.
+    fn graph_phase(&mut self, p: &Padded, phase: GraphPhase) -> Result<Option<Vec<f32>>> {
         let Some(g) = &self.graphs else {
             return Err(crate::Error::Device("decode graphs are off".into()));
         };
-        let (bound, bytes) = (
-            g.context_bound,
-            g.staging_bytes(g.buckets.last().copied().unwrap_or(p.bucket)),
-        );
+        let step = GraphStep {
+            phase,
+            bucket: p.bucket,
+            context_bound: g.context_bound,
+            staging_bytes: g.staging_bytes(g.buckets.last().copied().unwrap_or(p.bucket)),
+        };
         let spans = p.spans();
         let batch = padded_batch(p, &spans);
-        let backend = &self.model.backend;
-        backend.begin_graph(p.bucket, phase, bound, bytes)?;
-        let run = self
-            .model
-            .model
-            .forward_in_place(backend, &mut self.kv, &batch, &mut self.ws)
-            .and_then(|()| backend.end_graph());
-        if run.is_err() {
-            backend.abort_graph();
+        let (m, kv, ws) = (&self.model, &mut self.kv, &mut self.ws);
+        let backend = &m.backend;
+        let mut as_graph = true;
+        let logits = match &self.tp {
+            None => {
+                as_graph = step.run(backend, || {
+                    m.model.forward_in_place(backend, kv, &batch, ws)
+                })?;
+                None
+            }
+            Some(tp) => {
+                let logits = tp.step_in(&batch, Some(step), |comm| {
+                    let ran = step.run(backend, || {
+                        m.model
+                            .forward_sharded_in_place(backend, kv, &batch, ws, comm)
+                    });
+                    if !step.computes() {
+                        // A recording runs no collective: a failed one need not take the group
+                        // down (graphs go off below).
+                        as_graph =
+                            ran.or_else(|e| if e.backend_lost() { Err(e) } else { Ok(false) })?;
+                        return Ok(Vec::new());
+                    }
+                    as_graph = ran?;
+                    m.model
+                        .sharded_logits(backend, ws, batch.logit_rows.len(), comm)
+                })?;
+                as_graph &= !tp.take_graphs_missing();
+                Some(logits)
+            }
+        };
+        if !as_graph {
+            if !step.computes() {
+                return Err(crate::Error::Device(format!(
+                    "a tensor-parallel rank could not record the decode graph of batch size {}",
+                    p.bucket
+                )));
+            }
+            self.recorded.remove(&p.bucket);
         }
-        run
+        Ok(logits)
     }
 
     /// A padded decode step: replayed from its bucket's graph (recorded again first if the
-    /// backend dropped it), or eagerly when graphs only pad. The logits stay in the workspace.
-    fn forward_padded(&mut self, p: &Padded) -> Result<()> {
+    /// backend dropped it), or eagerly when graphs only pad. The logits stay in the workspace,
+    /// or (tensor parallelism) come back gathered on the host.
+    fn forward_padded(&mut self, p: &Padded) -> Result<Option<Vec<f32>>> {
         let record = self.graphs.as_ref().is_some_and(|g| g.record);
         if !record {
             let spans = p.spans();
-            return self.forward_in_place(&padded_batch(p, &spans));
+            let batch = padded_batch(p, &spans);
+            return match self.tp {
+                Some(_) => self.forward(&batch).map(Some),
+                None => self.forward_in_place(&batch).map(|()| None),
+            };
         }
         if self.recorded.contains(&p.bucket) {
             match self.graph_phase(p, GraphPhase::Replay) {
-                Ok(()) => return Ok(()),
+                Ok(logits) => return Ok(logits),
                 Err(e) if e.backend_lost() => return Err(e),
                 Err(_) => {}
             }
@@ -403,8 +444,9 @@ impl<B: Backend> Runner<B> {
         let logits = match &padded {
             Some(p) => match self.forward_padded(p) {
                 // The padding rows' logits follow the real ones and are never read.
-                Ok(()) if in_backend => Ok(Vec::new()),
-                Ok(()) => self.model.backend.to_host(self.ws.logits()),
+                Ok(Some(host)) => Ok(host),
+                Ok(None) if in_backend => Ok(Vec::new()),
+                Ok(None) => self.model.backend.to_host(self.ws.logits()),
                 Err(e) if e.backend_lost() => Err(e),
                 Err(e) => {
                     tracing::warn!("decode graphs are off, decode runs eagerly: {e}");

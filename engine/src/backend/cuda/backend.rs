@@ -252,6 +252,9 @@ pub struct CudaBackend {
     pub(super) graphs: Mutex<Graphs>,
     /// Replaying a graph: ops stage their inputs and launch nothing (read on every launch).
     pub(super) replaying: AtomicBool,
+    /// The tensor-parallel group's watch on graph replays (their collectives are the graph's),
+    /// once this rank has joined a group over NCCL.
+    pub(super) replay_watch: Mutex<Option<super::ReplayWatch>>,
     /// The sampling op's scratch, its results on their way to the host, and the tokens the
     /// next embedding may fill from (sample.rs).
     pub(super) draws: Mutex<Draws>,
@@ -420,6 +423,7 @@ impl CudaBackend {
             staging: Mutex::new(staging),
             graphs: Mutex::new(Graphs::default()),
             replaying: AtomicBool::new(false),
+            replay_watch: Mutex::new(None),
             draws: Mutex::new(Draws::default()),
         })
     }
@@ -1640,6 +1644,10 @@ impl Backend for CudaBackend {
         self.graph_begin(bucket, phase, context_bound, staging_bytes)
     }
 
+    fn has_graph(&self, bucket: usize) -> bool {
+        self.graph_recorded(bucket)
+    }
+
     fn end_graph(&self) -> Result<()> {
         self.graph_end()
     }
@@ -1665,6 +1673,9 @@ impl Backend for CudaBackend {
             ));
         }
         let comm = super::NcclComm::join(&self.gpu, host, opts)?;
+        if let Ok(mut w) = self.replay_watch.lock() {
+            *w = comm.replay_watch();
+        }
         Ok(Some(Box::new(comm)))
     }
 
@@ -1677,6 +1688,10 @@ impl Backend for CudaBackend {
             .device()
             .and_then(|d| d.downcast_ref::<super::NcclComm>())
         {
+            // A replay's collectives are in its graph (recorded with the rest of the step).
+            if self.replaying.load(Ordering::Relaxed) {
+                return Ok(());
+            }
             return Ok(nccl.all_reduce_bf16(&mut x.data, n)?);
         }
         // A host communicator (a group of CPU threads) works through host copies.

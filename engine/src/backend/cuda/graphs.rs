@@ -60,6 +60,11 @@ impl CudaBackend {
         Ok(self.graphs()?.mode)
     }
 
+    pub(super) fn graph_recorded(&self, bucket: usize) -> bool {
+        self.graphs()
+            .is_ok_and(|g| g.recorded.contains_key(&bucket))
+    }
+
     pub(super) fn graph_context_bound(&self) -> Result<usize> {
         Ok(self.graphs()?.context_bound)
     }
@@ -146,7 +151,18 @@ impl CudaBackend {
                     Error::Device(format!("no CUDA graph for batch size {bucket}"))
                 })?;
                 self.upload_staged()?;
-                graph.0.launch().map_err(dev("graph launch"))
+                graph.0.launch().map_err(dev("graph launch"))?;
+                // Under tensor parallelism the graph holds the step's collectives: the group's
+                // watchdog holds the launch to the deadline as it would each of them.
+                let watch = self
+                    .replay_watch
+                    .lock()
+                    .map_err(|_| Error::Device("the replay watch was poisoned".into()))?
+                    .clone();
+                match watch {
+                    Some(w) => w.after_launch().map_err(Error::Parallel),
+                    None => Ok(()),
+                }
             }
         }
     }

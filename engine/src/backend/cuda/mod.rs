@@ -25,7 +25,7 @@ pub use backend::{
 };
 pub use experts::{CudaExperts, check_route, kimi_moe_layer_speed, max_tiles};
 pub use latent::{CudaHeadMatrices, mla_chunk, mla_shared_bytes};
-pub use nccl_comm::NcclComm;
+pub use nccl_comm::{NcclComm, ReplayWatch};
 pub use nccl_sweep::nccl_sweep;
 pub use oneshot::{OneShotGpu, one_shot_selftest, one_shot_sweep};
 pub use probe::{CudaReport, probe};

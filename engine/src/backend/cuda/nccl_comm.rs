@@ -151,8 +151,38 @@ pub struct NcclComm {
     health: GroupHealth,
     /// The one-shot peer-to-peer kernel for messages up to its size, when the group uses it.
     one_shot: Option<OneShotGpu>,
-    /// Watches the enqueued collectives.
-    watchdog: Option<Watchdog>,
+    /// Watches the enqueued collectives (shared with the backend's graph replays).
+    watchdog: Option<Arc<Watchdog>>,
+}
+
+/// What a graph replay's collectives answer to: a replayed graph holds NCCL calls no host code
+/// enqueues, so the backend hands the watchdog one completion after each launch instead, held to
+/// the group's deadline like an enqueued collective (a stalled peer aborts the communicator,
+/// which ends the graph's kernels).
+#[derive(Clone)]
+pub struct ReplayWatch {
+    rank: usize,
+    handle: Arc<Handle>,
+    stream: Arc<CudaStream>,
+    watchdog: Arc<Watchdog>,
+}
+
+impl ReplayWatch {
+    /// Watches everything enqueued on the stream so far (the graph just launched).
+    pub fn after_launch(&self) -> Result<(), CommError> {
+        let done = self
+            .stream
+            .record_event(None)
+            .map_err(|e| CommError::Device {
+                rank: self.rank,
+                what: format!("recording an event after a graph launch: {e:?}"),
+            })?;
+        self.watchdog.watch(Box::new(Enqueued {
+            done,
+            handle: self.handle.clone(),
+        }));
+        Ok(())
+    }
 }
 
 /// An NCCL status in words (its name and NCCL's own message).
@@ -240,8 +270,27 @@ impl NcclComm {
             health.fail();
             device(format!("starting the collective watchdog: {e}"))
         })?;
-        nccl.watchdog = Some(watchdog);
+        nccl.watchdog = Some(Arc::new(watchdog));
         Ok(nccl)
+    }
+
+    /// What a graph that recorded this communicator's collectives reports to after each launch.
+    pub fn replay_watch(&self) -> Option<ReplayWatch> {
+        self.watchdog.as_ref().map(|w| ReplayWatch {
+            rank: self.rank,
+            handle: self.handle.clone(),
+            stream: self.stream.clone(),
+            watchdog: w.clone(),
+        })
+    }
+
+    /// Whether the stream is being recorded into a graph: a captured collective runs only when
+    /// the graph is launched, so there is nothing to watch now (an event recorded in a capture
+    /// cannot even be queried).
+    fn capturing(&self) -> bool {
+        self.stream.capture_status().is_ok_and(|status| {
+            status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        })
     }
 
     fn abort_comm(&self) {
@@ -326,6 +375,9 @@ impl NcclComm {
                 self.health.fail();
                 return Err(device(format!("{what}: {}", describe(e.0))));
             }
+        }
+        if self.capturing() {
+            return Ok(());
         }
         let done = self
             .stream

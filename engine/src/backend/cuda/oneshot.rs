@@ -14,7 +14,6 @@
 //! `kiln lock` run.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
@@ -41,8 +40,9 @@ pub struct OneShotGpu {
     table: CudaSlice<u64>,
     /// 0, or 1 + the sender a timed-out launch waited for.
     status: CudaSlice<i32>,
-    /// The next call's number (flags start at 0: no call finished).
-    call: AtomicU64,
+    /// The last call's number, on the device (0: none yet; flags start at 0 too). The kernel
+    /// counts its own calls, so a launch recorded into a CUDA graph numbers its replays.
+    calls: CudaSlice<u64>,
     deadline_cycles: i64,
     stream: Arc<CudaStream>,
     kernel: CudaFunction,
@@ -119,6 +119,9 @@ impl OneShotGpu {
         let status = stream
             .alloc_zeros::<i32>(1)
             .map_err(|e| failed(err(format!("allocating the status word: {e:?}"))))?;
+        let calls = stream
+            .alloc_zeros::<u64>(1)
+            .map_err(|e| failed(err(format!("allocating the call counter: {e:?}"))))?;
         let clock_khz = gpu
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
@@ -132,7 +135,7 @@ impl OneShotGpu {
             _inbox: inbox,
             table,
             status,
-            call: AtomicU64::new(1),
+            calls,
             deadline_cycles: deadline_cycles as i64,
             stream,
             kernel,
@@ -159,14 +162,14 @@ impl OneShotGpu {
                 got: n,
             });
         }
-        let call = self.call.fetch_add(1, Ordering::Relaxed);
         let stream = self.stream.clone();
         {
             let (x, _record) = data.device_ptr_mut(&stream);
             let (world, rank) = (self.world as i32, self.rank as i32);
             let (capacity, count) = (self.capacity as i64, n as i64);
-            // The kernel writes the status word through its device address.
+            // The kernel writes the status word and its call counter through their addresses.
             let (status, _status_record) = self.status.device_ptr(&stream);
+            let (calls, _calls_record) = self.calls.device_ptr(&stream);
             let mut b = stream.launch_builder(&self.kernel);
             // In place: every thread has pushed its share of `x` before the block's barrier, and
             // the sums are written only after it.
@@ -176,7 +179,7 @@ impl OneShotGpu {
                 .arg(&capacity)
                 .arg(&x)
                 .arg(&count)
-                .arg(&call)
+                .arg(&calls)
                 .arg(&self.deadline_cycles)
                 .arg(&x)
                 .arg(&status);

@@ -2,7 +2,9 @@
 // over CPU rank threads), one block per rank's launch. Each rank's inbox is device memory every
 // rank can write (peer access enabled): bf16 values [2 parities][world senders][capacity], then
 // one u64 flag per sender holding the last call it finished writing (capacity a multiple of 4,
-// so the flags are 8-byte aligned). Call `call` of `rank`:
+// so the flags are 8-byte aligned). Call `call` of `rank` (the rank's own device counter, one
+// past the last call: counted on the device, so a launch recorded into a CUDA graph takes the next
+// number on every replay, as an eager launch does):
 //   1. push its n values into slot `rank` of set `call & 1` in every inbox (stores only: loads
 //      from a peer over PCIe are the slow, hang-prone direction);
 //   2. every thread fences system-wide, the block syncs, then one thread per inbox raises this
@@ -27,13 +29,21 @@ __device__ __forceinline__ u64 load_acquire_sys(const u64* p) {
 
 extern "C" __global__ void kiln_oneshot_allreduce_bf16(
     const u64* __restrict__ inboxes,  // [world] device addresses of every rank's inbox
-    int world, int rank, long capacity, const bf16* x, long n, u64 call,
+    int world, int rank, long capacity, const bf16* x, long n, u64* __restrict__ calls,
     long long deadline, bf16* out, int* __restrict__ status) {
     // `x` and `out` may be one buffer (the host sums in place): every read of `x` happens before
     // the block's barrier, every write of `out` after it, so neither is `__restrict__`.
     // A launch before this one gave up on a peer: the group is down, and the launches queued
     // behind it end at once instead of each waiting out its own deadline.
     if (*(volatile const int*)status != 0) return;
+    // Launches on the rank's stream run one after another: the next one reads the new count.
+    __shared__ u64 call_of_block;
+    if (threadIdx.x == 0) {
+        call_of_block = *calls + 1;
+        *calls = call_of_block;
+    }
+    __syncthreads();
+    const u64 call = call_of_block;
     const long set = (long)(call & 1);
     const long flags_at = 2L * world * capacity;  // in bf16 values: the flags follow the slots
     for (int dst = 0; dst < world; dst++) {
