@@ -4,18 +4,15 @@
 
 mod common;
 
-use kiln::backend::Precision;
 use kiln::generate::FinishReason;
 use kiln::kv_cache::{BlockAllocator, SeqBlocks};
 use kiln::runner::{
-    Device, GraphUse, LoadSpec, ModelRunner, RunnerConfig, SamplingSite, SeqParams, SeqPlan,
-    StepOutput, StepPlan, TokenGuide, TokenMask,
+    GraphUse, ModelRunner, SamplingSite, SeqParams, SeqPlan, StepOutput, StepPlan, TokenGuide,
+    TokenMask,
 };
 use kiln::sampling::SamplingParams;
 use kiln::speculation::{SpecConfig, SpecMethod};
 use kiln::structured::{Constraint, Grammars};
-
-const BLOCK: usize = 16;
 
 fn runner(spec: SpecConfig) -> Box<dyn ModelRunner> {
     runner_at(spec, SamplingSite::Auto)
@@ -35,39 +32,7 @@ fn runner_of(
     sampling: SamplingSite,
     graphs: GraphUse,
 ) -> Box<dyn ModelRunner> {
-    split_runner_of(model, spec, sampling, graphs, 1)
-}
-
-/// [`runner_of`] split over `world` tensor-parallel ranks.
-fn split_runner_of(
-    model: std::path::PathBuf,
-    spec: SpecConfig,
-    sampling: SamplingSite,
-    graphs: GraphUse,
-    world: usize,
-) -> Box<dyn ModelRunner> {
-    let load = LoadSpec {
-        device: Device::Cpu,
-        model,
-        precision: Precision::Exact,
-        threads: Some(2),
-        tensor_parallel: world,
-        collective_timeout: std::time::Duration::from_secs(60),
-        group: Default::default(),
-        moe_split: Default::default(),
-        draft_model: None,
-        mem_fraction: None,
-        runner: RunnerConfig {
-            kv_tokens: 1024,
-            block_size: BLOCK,
-            max_step_tokens: 256,
-            spec,
-            sampling,
-            graphs,
-            overlap: false,
-        },
-    };
-    kiln::runner::load(&load, &mut |_| {}).expect("load").0
+    common::steps::load_runner(model, spec, sampling, graphs, 1)
 }
 
 fn greedy() -> SeqParams {
@@ -403,66 +368,6 @@ fn sampling_through_the_backend_op_matches_the_host_path() {
     );
 }
 
-/// Several sequences decoding together, as the engine drives them.
-fn batch_run(
-    r: &mut dyn ModelRunner,
-    prompts: &[Vec<u32>],
-    steps: usize,
-) -> (Vec<Vec<u32>>, Vec<Option<usize>>) {
-    let (n_blocks, block) = r.kv_layout();
-    let mut alloc = BlockAllocator::new(n_blocks, block);
-    let mut seqs: Vec<Seq> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            r.admit(i as u64, greedy(), p);
-            Seq {
-                tokens: p.clone(),
-                computed: 0,
-                blocks: SeqBlocks::default(),
-            }
-        })
-        .collect();
-    let mut buckets = Vec::new();
-    for _ in 0..steps {
-        for s in seqs.iter_mut() {
-            s.blocks
-                .reserve(&mut alloc, s.tokens.len())
-                .expect("blocks");
-        }
-        let plan = StepPlan {
-            seqs: seqs
-                .iter()
-                .enumerate()
-                .map(|(i, s)| SeqPlan {
-                    id: i as u64,
-                    tokens: &s.tokens,
-                    computed: s.computed,
-                    cached_prefix: 0,
-                    n_new: s.tokens.len() - s.computed,
-                    block_table: &s.blocks.table,
-                    decoding: s.tokens.len() - s.computed == 1,
-                    draft_room: 0,
-                    tokens_left: 1 << 20,
-                    context_left: 1 << 20,
-                    guide: None,
-                    pending_last: false,
-                })
-                .collect(),
-        };
-        let out = r.execute(&plan).expect("step");
-        buckets.push(out.graph_bucket);
-        for (s, o) in seqs.iter_mut().zip(&out.seqs) {
-            s.computed = s.tokens.len();
-            s.tokens.extend(o.tokens.iter().map(|t| t.token));
-        }
-    }
-    for i in 0..prompts.len() {
-        r.release(i as u64);
-    }
-    (seqs.into_iter().map(|s| s.tokens).collect(), buckets)
-}
-
 /// Decode steps padded to their graph bucket (three sequences run as four, the fourth writing
 /// to a block of its own) emit exactly the tokens of unpadded steps, with host sampling and
 /// with every row drawn by the backend's op.
@@ -475,11 +380,11 @@ fn decode_steps_padded_to_graph_buckets_keep_every_token() {
         .iter()
         .map(|p| tok.encode(p, true).expect("encode"))
         .collect();
-    let (want, buckets) = batch_run(plain.as_mut(), &prompts, 10);
+    let (want, buckets) = common::steps::batch_run(plain.as_mut(), &prompts, 10);
     assert!(buckets.iter().all(Option::is_none));
     for sampling in [SamplingSite::Auto, SamplingSite::Backend] {
         let mut padded = load(GraphUse::PadOnly { max_bs: 8 }, sampling);
-        let (got, buckets) = batch_run(padded.as_mut(), &prompts, 10);
+        let (got, buckets) = common::steps::batch_run(padded.as_mut(), &prompts, 10);
         // The prefill step is eager; every decode step of three ran as a bucket of four.
         assert_eq!(buckets[0], None);
         assert!(buckets[1..].iter().all(|&b| b == Some(4)), "{buckets:?}");
@@ -494,7 +399,7 @@ fn mla_and_moe_decode_steps_padded_to_graph_buckets_keep_every_token() {
     let model = common::tiny_with_tokenizer("deepseek-v3");
     let load = |graphs, sampling| runner_of(model.clone(), SpecConfig::default(), sampling, graphs);
     let prompts: Vec<Vec<u32>> = vec![vec![5, 17, 42, 8, 99], vec![3, 3, 60], vec![71, 2, 30, 11]];
-    let (want, buckets) = batch_run(
+    let (want, buckets) = common::steps::batch_run(
         load(GraphUse::Off, SamplingSite::Auto).as_mut(),
         &prompts,
         8,
@@ -502,7 +407,7 @@ fn mla_and_moe_decode_steps_padded_to_graph_buckets_keep_every_token() {
     assert!(buckets.iter().all(Option::is_none));
     for sampling in [SamplingSite::Auto, SamplingSite::Backend] {
         let mut padded = load(GraphUse::PadOnly { max_bs: 8 }, sampling);
-        let (got, buckets) = batch_run(padded.as_mut(), &prompts, 8);
+        let (got, buckets) = common::steps::batch_run(padded.as_mut(), &prompts, 8);
         assert_eq!(buckets[0], None);
         assert!(buckets[1..].iter().all(|&b| b == Some(4)), "{buckets:?}");
         assert_eq!(got, want, "padding changed the tokens ({sampling:?})");
@@ -517,7 +422,7 @@ fn decode_steps_padded_to_graph_buckets_split_over_2_ranks_keep_every_token() {
     let model = common::tiny_with_tokenizer("deepseek-v3");
     let prompts: Vec<Vec<u32>> = vec![vec![5, 17, 42, 8, 99], vec![3, 3, 60], vec![71, 2, 30, 11]];
     let load = |graphs, world| {
-        split_runner_of(
+        common::steps::load_runner(
             model.clone(),
             SpecConfig::default(),
             SamplingSite::Auto,
@@ -525,9 +430,9 @@ fn decode_steps_padded_to_graph_buckets_split_over_2_ranks_keep_every_token() {
             world,
         )
     };
-    let (want, _) = batch_run(load(GraphUse::Off, 1).as_mut(), &prompts, 8);
+    let (want, _) = common::steps::batch_run(load(GraphUse::Off, 1).as_mut(), &prompts, 8);
     let mut split = load(GraphUse::PadOnly { max_bs: 8 }, 2);
-    let (got, buckets) = batch_run(split.as_mut(), &prompts, 8);
+    let (got, buckets) = common::steps::batch_run(split.as_mut(), &prompts, 8);
     assert_eq!(buckets[0], None);
     assert!(buckets[1..].iter().all(|&b| b == Some(4)), "{buckets:?}");
     assert_eq!(got, want, "TP = 2 padded steps vs TP = 1");

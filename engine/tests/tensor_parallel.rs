@@ -226,14 +226,9 @@ fn the_server_refuses_a_split_the_model_cannot_take() {
     assert!(err.contains("9 attention heads"), "{err}");
 }
 
-#[test]
-fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
-    use kiln::backend::SeqSpan;
-    use kiln::model::ForwardBatch;
-    use kiln::parallel::{PeerConfig, ThreadComm, TpPeers};
-
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3");
-    let cfg = |model: PathBuf| PeerConfig {
+/// Peers on the CPU over `model`, one thread each, blocks of 16, exact mode.
+fn peer_config(model: PathBuf) -> kiln::parallel::PeerConfig {
+    kiln::parallel::PeerConfig {
         device: Device::Cpu,
         model,
         precision: Precision::Exact,
@@ -242,7 +237,17 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
         group: Default::default(),
         moe: Default::default(),
         draft_model: None,
-    };
+    }
+}
+
+#[test]
+fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
+    use kiln::backend::SeqSpan;
+    use kiln::model::ForwardBatch;
+    use kiln::parallel::{ThreadComm, TpPeers};
+
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3");
+    let cfg = peer_config;
     // A peer that cannot load fails the start with the loading error.
     let mut comms = ThreadComm::group(2, Duration::from_secs(10));
     let e = TpPeers::spawn(cfg(PathBuf::from("/nonexistent/tiny")), comms.split_off(1))
@@ -284,18 +289,10 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
 #[test]
 fn a_peer_failing_a_kv_move_takes_the_group_down_with_its_cause() {
     use kiln::backend::cpu::CpuBackend;
-    use kiln::parallel::{PeerConfig, TpGroup};
+    use kiln::parallel::TpGroup;
 
-    let cfg = PeerConfig {
-        device: Device::Cpu,
-        model: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3"),
-        precision: Precision::Exact,
-        threads_per_rank: 1,
-        block_size: 16,
-        group: Default::default(),
-        moe: Default::default(),
-        draft_model: None,
-    };
+    let cfg =
+        peer_config(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3"));
     let group = TpGroup::spawn(cfg, 2, Duration::from_secs(10), &CpuBackend::new())
         .expect("the group starts");
     group.size_caches(4).expect("the peer sizes its cache");

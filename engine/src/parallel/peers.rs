@@ -15,7 +15,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -26,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::model::{
     DraftSource, DraftState, DraftStep, Eagle3Draft, ForwardBatch, Llama, Workspace,
 };
-use crate::runner::{Device, GraphStep, WithBackend};
+use crate::runner::{Device, GraphStep, WithBackend, all_ranks_agree};
 
 /// A sequence's span, owned (its tree mask too: a verify or draft step of tree speculation
 /// masks every rank's attention alike), so it can cross to the rank threads.
@@ -143,8 +142,6 @@ pub struct TpPeers {
     jobs: Vec<Sender<PeerJob>>,
     reports: Receiver<Report>,
     handles: Vec<JoinHandle<()>>,
-    /// A peer replayed a step eagerly since the last look: its graph was dropped.
-    graphs_missing: Arc<AtomicBool>,
 }
 
 /// Where the peers load from and how big their caches are (the engine's numbers).
@@ -168,14 +165,12 @@ fn peer_main(
     comm: &ThreadComm,
     jobs: Receiver<PeerJob>,
     reports: &Sender<Report>,
-    graphs_missing: &AtomicBool,
 ) {
     let peer = Peer {
         cfg,
         comm,
         jobs,
         reports,
-        graphs_missing,
     };
     let rank = comm.rank();
     let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -201,9 +196,6 @@ struct Peer<'a> {
     comm: &'a ThreadComm,
     jobs: Receiver<PeerJob>,
     reports: &'a Sender<Report>,
-    /// Set when this rank replayed a step eagerly (its graph was dropped) or could not record
-    /// one.
-    graphs_missing: &'a AtomicBool,
 }
 
 impl WithBackend for Peer<'_> {
@@ -215,8 +207,8 @@ impl WithBackend for Peer<'_> {
             comm,
             jobs,
             reports,
-            graphs_missing,
         } = self;
+        let host = comm;
         let rank = comm.rank();
         let fail = |e: Error| {
             comm.abort();
@@ -287,7 +279,7 @@ impl WithBackend for Peer<'_> {
                     Ok(())
                 })(),
                 PeerJob::Step(job) => match kv.as_mut() {
-                    Some(kv) => step(&backend, &model, kv, &mut ws, &job, comm, graphs_missing),
+                    Some(kv) => step(&backend, &model, kv, &mut ws, &job, comm, host),
                     None => early("step"),
                 },
                 PeerJob::Draft(job) => match (&draft, draft_state.as_mut()) {
@@ -348,7 +340,7 @@ fn step<B: Backend>(
     ws: &mut Workspace<B>,
     job: &OwnedBatch,
     comm: &dyn Communicator,
-    graphs_missing: &AtomicBool,
+    host: &ThreadComm,
 ) -> Result<()> {
     let spans = OwnedSpan::view(&job.spans);
     let batch = ForwardBatch {
@@ -363,21 +355,12 @@ fn step<B: Backend>(
             .forward_sharded(backend, kv, &batch, ws, comm)
             .map(|_| ()),
         Some(graph) => {
-            let ran = graph.run(backend, || {
-                model.forward_sharded_in_place(backend, kv, &batch, ws, comm)
-            });
-            if !graph.computes()
-                && let Err(e) = &ran
-                && !e.backend_lost()
-            {
-                // A recording runs no collective: the group goes on, and rank 0 turns graphs off.
-                tracing::warn!("rank {} could not record a decode graph: {e}", comm.rank());
-                graphs_missing.store(true, Ordering::Relaxed);
-                return Ok(());
-            }
-            if !ran? {
-                graphs_missing.store(true, Ordering::Relaxed);
-            }
+            // Every rank decides alike whether this replays or records (see `GraphStep::run`).
+            graph.run(
+                backend,
+                |mine| all_ranks_agree(host, mine),
+                || model.forward_sharded_in_place(backend, kv, &batch, ws, comm),
+            )?;
             if graph.computes() {
                 // Its part of the logits gather (and the verdict on the step's collectives).
                 model.sharded_logits(backend, ws, batch.logit_rows.len(), comm)?;
@@ -404,15 +387,13 @@ impl TpPeers {
         let (report_tx, reports) = channel();
         let mut jobs = Vec::new();
         let mut handles = Vec::new();
-        let graphs_missing = Arc::new(AtomicBool::new(false));
         for comm in comms {
             let (job_tx, job_rx) = channel();
             jobs.push(job_tx);
             let (cfg, report_tx) = (cfg.clone(), report_tx.clone());
-            let missing = graphs_missing.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("kiln-tp-rank{}", comm.rank()))
-                .spawn(move || peer_main(&cfg, &comm, job_rx, &report_tx, &missing))
+                .spawn(move || peer_main(&cfg, &comm, job_rx, &report_tx))
                 .map_err(|e| Error::io(Path::new("kiln-tp thread"), e))?;
             handles.push(handle);
         }
@@ -420,7 +401,6 @@ impl TpPeers {
             jobs,
             reports,
             handles,
-            graphs_missing,
         })
     }
 
@@ -598,11 +578,10 @@ impl TpGroup {
         }
     }
 
-    /// Whether a peer ran a replayed step eagerly (its graph was dropped when a buffer grew) or
-    /// could not record a graph since the last call: the runner then records the bucket again,
-    /// or turns graphs off.
-    pub fn take_graphs_missing(&self) -> bool {
-        self.peers.graphs_missing.swap(false, Ordering::Relaxed)
+    /// The group's host communicator (the threads behind the device one), for the ranks to
+    /// agree on what a graph step does ([`crate::runner::all_ranks_agree`]).
+    pub fn host_comm(&self) -> &ThreadComm {
+        &self.comm
     }
 
     /// One EAGLE-3 draft step across the group, as [`TpGroup::step`]: every peer runs `step`

@@ -15,6 +15,15 @@
 
 use crate::backend::{Backend, GraphPhase, SeqSpan};
 use crate::error::Result;
+use crate::parallel::Communicator;
+
+/// Whether every rank of the group says yes (`mine` from this one): a sum over the group's host
+/// communicator, which every rank calls at the same point of the same step.
+pub fn all_ranks_agree(host: &dyn Communicator, mine: bool) -> Result<bool> {
+    let mut votes = [f32::from(u8::from(mine))];
+    host.all_reduce_sum(&mut votes)?;
+    Ok(votes[0] as usize == host.world())
+}
 
 /// SGLang's default `--cuda-graph-max-bs`-like bound kiln uses: batches up to this size decode
 /// from graphs.
@@ -214,16 +223,21 @@ pub struct GraphStep {
 
 impl GraphStep {
     /// Runs `forward` inside the phase: begun, run, ended (launching a replay), or left after a
-    /// failure in between. A replay whose graph this backend no longer holds (dropped when a
-    /// buffer grew) runs `forward` eagerly instead and returns `false`: the step is the same, and
-    /// under tensor parallelism its collectives meet the other ranks' replayed ones alike; the
-    /// runner records the bucket again before its next replay.
+    /// failure in between. `all_ranks` tells whether every rank of the group says yes (under
+    /// tensor parallelism a host collective; alone, the answer itself), so the ranks decide alike:
+    /// - a replay runs only if every rank still holds the bucket's graph (one is dropped when a
+    ///   buffer grows, which need not happen on every rank at once); otherwise every rank runs
+    ///   `forward` eagerly and the call returns `false` (the runner records the bucket again);
+    /// - a recording counts only if every rank recorded (`false` otherwise: the runner turns
+    ///   graphs off; a recording runs no collective, so one that failed need not take the group
+    ///   down).
     pub fn run<B: Backend>(
         self,
         backend: &B,
+        mut all_ranks: impl FnMut(bool) -> Result<bool>,
         forward: impl FnOnce() -> Result<()>,
     ) -> Result<bool> {
-        if self.phase == GraphPhase::Replay && !backend.has_graph(self.bucket) {
+        if self.phase == GraphPhase::Replay && !all_ranks(backend.has_graph(self.bucket))? {
             return forward().map(|()| false);
         }
         backend.begin_graph(
@@ -236,7 +250,15 @@ impl GraphStep {
         if run.is_err() {
             backend.abort_graph();
         }
-        run.map(|()| true)
+        match run {
+            Err(e) if e.backend_lost() || self.phase != GraphPhase::Record => Err(e),
+            Err(e) => {
+                tracing::warn!("a decode graph could not be recorded: {e}");
+                all_ranks(false).map(|_| false)
+            }
+            Ok(()) if self.phase == GraphPhase::Record => all_ranks(true),
+            Ok(()) => Ok(true),
+        }
     }
 
     /// Whether the phase computes anything (a recording only records: no logits to read).

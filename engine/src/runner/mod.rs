@@ -28,7 +28,7 @@ pub mod plan;
 use std::sync::Arc;
 
 pub use device::{Device, WithBackend};
-pub use graphs::{GraphStep, GraphUse};
+pub use graphs::{GraphStep, GraphUse, all_ranks_agree};
 pub use load::{LoadSpec, load};
 pub use memory::KvSize;
 pub use model_runner::Runner;

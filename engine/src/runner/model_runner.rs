@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::accept::{self, DrawnRows, HostRows, Rows, StopRule};
 use super::drafter::{Drafter, Drafts};
-use super::graphs::{DecodeGraphs, GraphStep, GraphUse, Padded};
+use super::graphs::{DecodeGraphs, GraphStep, GraphUse, Padded, all_ranks_agree};
 use super::guided;
 use super::plan::{SeqOutput, SeqParams, StepOutput, StepPlan, TokenMask};
 use super::{ModelInfo, ModelRunner, RunnerConfig, SamplingSite};
@@ -183,42 +183,39 @@ impl<B: Backend> Runner<B> {
         let batch = padded_batch(p, &spans);
         let (m, kv, ws) = (&self.model, &mut self.kv, &mut self.ws);
         let backend = &m.backend;
+        // Whether the phase ran as a graph; every rank of a group reaches the same answer.
         let mut as_graph = true;
         let logits = match &self.tp {
             None => {
-                as_graph = step.run(backend, || {
+                as_graph = step.run(backend, Ok, || {
                     m.model.forward_in_place(backend, kv, &batch, ws)
                 })?;
                 None
             }
-            Some(tp) => {
-                let logits = tp.step_in(&batch, Some(step), |comm| {
-                    let ran = step.run(backend, || {
+            Some(tp) => Some(tp.step_in(&batch, Some(step), |comm| {
+                as_graph = step.run(
+                    backend,
+                    |mine| all_ranks_agree(tp.host_comm(), mine),
+                    || {
                         m.model
                             .forward_sharded_in_place(backend, kv, &batch, ws, comm)
-                    });
-                    if !step.computes() {
-                        // A recording runs no collective: a failed one need not take the group
-                        // down (graphs go off below).
-                        as_graph =
-                            ran.or_else(|e| if e.backend_lost() { Err(e) } else { Ok(false) })?;
-                        return Ok(Vec::new());
-                    }
-                    as_graph = ran?;
-                    m.model
-                        .sharded_logits(backend, ws, batch.logit_rows.len(), comm)
-                })?;
-                as_graph &= !tp.take_graphs_missing();
-                Some(logits)
-            }
+                    },
+                )?;
+                if !step.computes() {
+                    return Ok(Vec::new());
+                }
+                m.model
+                    .sharded_logits(backend, ws, batch.logit_rows.len(), comm)
+            })?),
         };
         if !as_graph {
             if !step.computes() {
                 return Err(crate::Error::Device(format!(
-                    "a tensor-parallel rank could not record the decode graph of batch size {}",
+                    "the decode graph of batch size {} could not be recorded on every rank",
                     p.bucket
                 )));
             }
+            // A replay some rank no longer had ran eagerly on every rank: record it again.
             self.recorded.remove(&p.bucket);
         }
         Ok(logits)

@@ -12,6 +12,8 @@ use kiln::model::{ForwardBatch, Workspace};
 
 pub mod cli;
 pub mod server;
+#[allow(dead_code)]
+pub mod steps;
 
 /// The cached model file; fails with the command that fetches it (these tests need real weights).
 pub fn model_path(entry: &CatalogEntry) -> PathBuf {

@@ -5,6 +5,7 @@ mod attention;
 mod attention_x86;
 pub mod blocks;
 pub mod exp;
+mod graph_emulation;
 pub mod matrix;
 pub mod simd;
 pub mod team;
@@ -55,7 +56,11 @@ pub struct CpuBackend {
     team: team::Team,
     /// The latest sampling launch's tokens, for [`Backend::embed`]'s `fill`.
     drawn: std::sync::Mutex<Vec<u32>>,
+    /// Graph phases kept as bookkeeping only, for tests (`graph_emulation`).
+    graphs: Option<graph_emulation::EmulatedGraphs>,
 }
+
+pub use graph_emulation::EMULATE_GRAPHS_ENV;
 
 impl CpuBackend {
     /// The best SIMD level of this CPU, one thread per core.
@@ -71,6 +76,7 @@ impl CpuBackend {
             kernels: *Kernels::best(),
             team: team::Team::new(threads),
             drawn: std::sync::Mutex::new(Vec::new()),
+            graphs: graph_emulation::EmulatedGraphs::from_env(),
         }
     }
     /// A backend that uses one specific SIMD level (tests compare levels).
@@ -525,6 +531,44 @@ impl Backend for CpuBackend {
 
     fn sample_read(&self, drawn: Vec<RowResult>) -> Result<Vec<RowResult>> {
         Ok(drawn)
+    }
+
+    fn records_graphs(&self) -> bool {
+        self.graphs.is_some()
+    }
+
+    fn begin_graph(
+        &self,
+        bucket: usize,
+        phase: crate::backend::GraphPhase,
+        _context_bound: usize,
+        _staging_bytes: usize,
+    ) -> Result<()> {
+        match &self.graphs {
+            Some(g) => g.begin(bucket, phase),
+            None => Err(crate::Error::Device(
+                "the cpu backend records no graphs".into(),
+            )),
+        }
+    }
+
+    fn end_graph(&self) -> Result<()> {
+        match &self.graphs {
+            Some(g) => g.end(),
+            None => Err(crate::Error::Device(
+                "the cpu backend records no graphs".into(),
+            )),
+        }
+    }
+
+    fn abort_graph(&self) {
+        if let Some(g) = &self.graphs {
+            g.abort();
+        }
+    }
+
+    fn has_graph(&self, bucket: usize) -> bool {
+        self.graphs.as_ref().is_some_and(|g| g.has(bucket))
     }
 
     fn all_reduce_sum(

@@ -249,7 +249,8 @@ pub struct CudaBackend {
     /// Per-step uploads (staging.rs).
     staging: Mutex<Staging>,
     /// Decode graphs and whether ops now record or replay one (graphs.rs).
-    pub(super) graphs: Mutex<Graphs>,
+    /// Shared with the group's communicator, which destroys the graphs before it aborts.
+    pub(super) graphs: Arc<Mutex<Graphs>>,
     /// Replaying a graph: ops stage their inputs and launch nothing (read on every launch).
     pub(super) replaying: AtomicBool,
     /// The tensor-parallel group's watch on graph replays (their collectives are the graph's),
@@ -421,7 +422,7 @@ impl CudaBackend {
             }),
             moe_scratch: Mutex::new(MoeScratch::default()),
             staging: Mutex::new(staging),
-            graphs: Mutex::new(Graphs::default()),
+            graphs: Arc::new(Mutex::new(Graphs::default())),
             replaying: AtomicBool::new(false),
             replay_watch: Mutex::new(None),
             draws: Mutex::new(Draws::default()),
@@ -1676,6 +1677,8 @@ impl Backend for CudaBackend {
         if let Ok(mut w) = self.replay_watch.lock() {
             *w = comm.replay_watch();
         }
+        let graphs = self.graphs.clone();
+        comm.before_abort(Box::new(move || super::graphs::destroy_all(&graphs)));
         Ok(Some(Box::new(comm)))
     }
 
@@ -1690,7 +1693,7 @@ impl Backend for CudaBackend {
         {
             // A replay's collectives are in its graph (recorded with the rest of the step).
             if self.replaying.load(Ordering::Relaxed) {
-                return Ok(());
+                return Ok(nccl.ensure_up()?);
             }
             return Ok(nccl.all_reduce_bf16(&mut x.data, n)?);
         }

@@ -11,6 +11,7 @@
 //! divides its own context among the splits, so the split count may be fixed).
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::{CudaGraph, sys};
@@ -47,6 +48,14 @@ pub struct Graphs {
     /// The longest context a graph's steps attend over (fixes the attention's split count).
     context_bound: usize,
     recorded: HashMap<usize, Recorded>,
+}
+
+/// Destroys every recorded graph (before the communicator their collectives reference is
+/// aborted: see `nccl_comm`'s `Handle`). Callable from the watchdog's thread: the lock serializes
+/// it with launches, and the context is bound there.
+pub(super) fn destroy_all(graphs: &Mutex<Graphs>) {
+    let mut g = graphs.lock().unwrap_or_else(|p| p.into_inner());
+    g.recorded.clear();
 }
 
 impl CudaBackend {

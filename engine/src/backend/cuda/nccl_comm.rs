@@ -72,7 +72,14 @@ impl ConfigV217 {
 /// handle is `None` and every use fails.
 struct Handle {
     comm: Mutex<Option<CommPtr>>,
+    /// Run before the abort: the rank's recorded graphs hold references on the communicator,
+    /// and NCCL (2.26 on) tears a communicator down only once every graph referencing it is
+    /// destroyed, so an abort with graphs alive would never return.
+    before_abort: Mutex<Option<BeforeAbort>>,
 }
+
+/// What a rank does before its communicator is aborted (see [`Handle`]).
+pub type BeforeAbort = Box<dyn Fn() + Send + Sync>;
 
 /// `ncclComm_t` as something a mutex may hold across threads.
 struct CommPtr(sys::ncclComm_t);
@@ -112,8 +119,18 @@ impl Handle {
         }
     }
 
-    /// Aborts the communicator once: its pending work ends and the GPU is released.
+    /// Aborts the communicator once: its pending work ends and the GPU is released. The graphs
+    /// that captured its collectives go first (an in-flight one is freed when the abort has
+    /// ended its kernels).
     fn abort(&self) {
+        if let Some(release) = self
+            .before_abort
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            release();
+        }
         let mut guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = guard.take() {
             // SAFETY: the handle was live, and no other use can start (the lock is held).
@@ -241,6 +258,7 @@ impl NcclComm {
         }
         let handle = Arc::new(Handle {
             comm: Mutex::new(Some(CommPtr(comm))),
+            before_abort: Mutex::new(None),
         });
         let mut nccl = NcclComm {
             handle: handle.clone(),
@@ -272,6 +290,25 @@ impl NcclComm {
         })?;
         nccl.watchdog = Some(Arc::new(watchdog));
         Ok(nccl)
+    }
+
+    /// Sets what runs before any abort of this communicator (the watchdog's, a failure's, the
+    /// drop's): the backend destroys the graphs that captured its collectives.
+    pub fn before_abort(&self, release: BeforeAbort) {
+        *self
+            .handle
+            .before_abort
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(release);
+    }
+
+    /// Fails when the group is down (a replayed graph's collectives are checked here, as an
+    /// enqueued one is before it goes to NCCL).
+    pub fn ensure_up(&self) -> Result<(), CommError> {
+        match self.health.failed() {
+            Some(rank) => Err(CommError::PeerFailed { rank }),
+            None => Ok(()),
+        }
     }
 
     /// What a graph that recorded this communicator's collectives reports to after each launch.
