@@ -240,16 +240,20 @@ impl GraphStep {
         if self.phase == GraphPhase::Replay && !all_ranks(backend.has_graph(self.bucket))? {
             return forward().map(|()| false);
         }
-        backend.begin_graph(
-            self.bucket,
-            self.phase,
-            self.context_bound,
-            self.staging_bytes,
-        )?;
-        let run = forward().and_then(|()| backend.end_graph());
-        if run.is_err() {
-            backend.abort_graph();
-        }
+        let run = backend
+            .begin_graph(
+                self.bucket,
+                self.phase,
+                self.context_bound,
+                self.staging_bytes,
+            )
+            .and_then(|()| {
+                let run = forward().and_then(|()| backend.end_graph());
+                if run.is_err() {
+                    backend.abort_graph();
+                }
+                run
+            });
         match run {
             Err(e) if e.backend_lost() || self.phase != GraphPhase::Record => Err(e),
             Err(e) => {

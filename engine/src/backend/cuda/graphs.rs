@@ -113,9 +113,21 @@ impl CudaBackend {
         g.mode = match phase {
             GraphPhase::WarmUp => GraphMode::WarmUp,
             GraphPhase::Record => {
-                self.stream()
+                let watch = self.group_watch()?;
+                if let Some(w) = &watch {
+                    w.capture_begins().map_err(Error::Parallel)?;
+                }
+                let begun = self
+                    .stream()
                     .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(dev("begin graph capture"))?;
+                    .map_err(dev("begin graph capture"));
+                if let Err(e) = begun {
+                    drop(g);
+                    if let Some(w) = &watch {
+                        w.capture_ends();
+                    }
+                    return Err(e);
+                }
                 GraphMode::Capture
             }
             GraphPhase::Replay => {
@@ -137,6 +149,15 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The tensor-parallel group's watch on this rank's graphs (`None` alone).
+    fn group_watch(&self) -> Result<Option<super::ReplayWatch>> {
+        Ok(self
+            .replay_watch
+            .lock()
+            .map_err(|_| Error::Device("the replay watch was poisoned".into()))?
+            .clone())
+    }
+
     /// Ends a recording (keeping the graph) or launches the replayed one.
     pub(super) fn graph_end(&self) -> Result<()> {
         let mut g = self.graphs()?;
@@ -145,14 +166,23 @@ impl CudaBackend {
             GraphMode::Eager => Err(Error::Device("a CUDA graph ended that never began".into())),
             GraphMode::WarmUp => Ok(()),
             GraphMode::Capture => {
-                let graph = self
-                    .stream()
-                    .end_capture(sys::CUgraphInstantiate_flags(0))
-                    .map_err(dev("end graph capture"))?
-                    .ok_or_else(|| Error::Device("the CUDA graph capture was empty".into()))?;
-                graph.upload().map_err(dev("graph upload"))?;
-                g.recorded.insert(bucket, Recorded(graph));
-                Ok(())
+                let kept = (|| -> Result<()> {
+                    let graph = self
+                        .stream()
+                        .end_capture(sys::CUgraphInstantiate_flags(0))
+                        .map_err(dev("end graph capture"))?
+                        .ok_or_else(|| Error::Device("the CUDA graph capture was empty".into()))?;
+                    graph.upload().map_err(dev("graph upload"))?;
+                    g.recorded.insert(bucket, Recorded(graph));
+                    Ok(())
+                })();
+                // An abort that came during the capture runs now, outside the graph lock (it
+                // destroys the recorded graphs first, this one included).
+                drop(g);
+                if let Some(w) = self.group_watch()? {
+                    w.capture_ends();
+                }
+                kept
             }
             GraphMode::Replay => {
                 self.replaying.store(false, Ordering::Relaxed);
@@ -179,11 +209,17 @@ impl CudaBackend {
     /// Leaves graph mode after a failure in between; a broken recording is discarded.
     pub(super) fn graph_abort(&self) {
         self.replaying.store(false, Ordering::Relaxed);
-        if let Ok(mut g) = self.graphs.lock()
-            && std::mem::take(&mut g.mode) == GraphMode::Capture
-        {
-            // Ending the capture is the only way out of it; the partial graph is dropped.
+        let captured = match self.graphs.lock() {
+            Ok(mut g) => std::mem::take(&mut g.mode) == GraphMode::Capture,
+            Err(_) => false,
+        };
+        if captured {
+            // Ending the capture is the only way out of it; the partial graph is dropped, then an
+            // abort that came during the capture runs.
             let _ = self.stream().end_capture(sys::CUgraphInstantiate_flags(0));
+            if let Ok(Some(w)) = self.group_watch() {
+                w.capture_ends();
+            }
         }
     }
 }

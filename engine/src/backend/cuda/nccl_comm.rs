@@ -76,6 +76,19 @@ struct Handle {
     /// and NCCL (2.26 on) tears a communicator down only once every graph referencing it is
     /// destroyed, so an abort with graphs alive would never return.
     before_abort: Mutex<Option<BeforeAbort>>,
+    /// Graph captures and aborts, one at a time: a graph being captured holds a reference on the
+    /// communicator that only ending the capture (on the capturing thread) releases, so an abort
+    /// that comes during a capture waits for its end instead of spinning in NCCL, and no
+    /// capture begins once an abort has.
+    capture: Mutex<CaptureState>,
+}
+
+#[derive(Default)]
+struct CaptureState {
+    open: bool,
+    /// An abort came while a capture was open: it runs when the capture ends.
+    deferred: bool,
+    aborted: bool,
 }
 
 /// What a rank does before its communicator is aborted (see [`Handle`]).
@@ -123,6 +136,14 @@ impl Handle {
     /// that captured its collectives go first (an in-flight one is freed when the abort has
     /// ended its kernels).
     fn abort(&self) {
+        {
+            let mut c = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+            if c.open {
+                c.deferred = true;
+                return;
+            }
+            c.aborted = true;
+        }
         if let Some(release) = self
             .before_abort
             .lock()
@@ -135,6 +156,30 @@ impl Handle {
         if let Some(c) = guard.take() {
             // SAFETY: the handle was live, and no other use can start (the lock is held).
             let _ = unsafe { result::comm_abort(c.0) };
+        }
+    }
+}
+
+impl Handle {
+    /// A graph capture on the rank's stream begins (refused once the communicator is aborted).
+    fn capture_begins(&self) -> Result<(), String> {
+        let mut c = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        if c.aborted || c.deferred {
+            return Err("the NCCL communicator was aborted".into());
+        }
+        c.open = true;
+        Ok(())
+    }
+
+    /// The capture ended (its graph kept or dropped): an abort that came meanwhile runs now.
+    fn capture_ends(&self) {
+        let deferred = {
+            let mut c = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+            c.open = false;
+            std::mem::take(&mut c.deferred)
+        };
+        if deferred {
+            self.abort();
         }
     }
 }
@@ -185,6 +230,22 @@ pub struct ReplayWatch {
 }
 
 impl ReplayWatch {
+    /// A capture of this rank's step begins: aborts wait for its end (see [`Handle`]).
+    pub fn capture_begins(&self) -> Result<(), CommError> {
+        self.handle
+            .capture_begins()
+            .map_err(|what| CommError::Device {
+                rank: self.rank,
+                what,
+            })
+    }
+
+    /// The capture ended, with its graph kept (recorded) or dropped: an abort that came during
+    /// it runs now (destroying the recorded graphs first). Call it with no graph lock held.
+    pub fn capture_ends(&self) {
+        self.handle.capture_ends();
+    }
+
     /// Watches everything enqueued on the stream so far (the graph just launched).
     pub fn after_launch(&self) -> Result<(), CommError> {
         let done = self
@@ -259,6 +320,7 @@ impl NcclComm {
         let handle = Arc::new(Handle {
             comm: Mutex::new(Some(CommPtr(comm))),
             before_abort: Mutex::new(None),
+            capture: Mutex::new(CaptureState::default()),
         });
         let mut nccl = NcclComm {
             handle: handle.clone(),
