@@ -179,7 +179,7 @@ impl Eagle3Config {
     }
 }
 
-/// The tokens of one draft step and the rows it keeps (see [`Eagle3Draft::forward`]).
+/// The tokens of one draft step and the rows it keeps (see [`Eagle3Draft::forward_batch`]).
 #[derive(Clone, Copy)]
 pub struct DraftBatch<'a> {
     pub tokens: &'a [u32],
@@ -508,33 +508,11 @@ impl<B: Backend> Eagle3Draft<B> {
     }
 
     /// One draft step for a batch: `tokens[t]` (target ids) is the token after the one whose
-    /// hidden state `input` row t holds; its KV goes to `spans`' slots in `kv` (layer 0). Returns
-    /// logits and output hidden states for `rows`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward(
-        &self,
-        backend: &B,
-        target_embed: &B::Matrix,
-        kv: &mut B::KvStore,
-        tokens: &[u32],
-        positions: &[usize],
-        spans: &[SeqSpan<'_>],
-        input: DraftInput<'_, B>,
-        rows: &[usize],
-        ws: &mut DraftWorkspace<B>,
-    ) -> Result<DraftOutput<B>> {
-        let batch = DraftBatch {
-            tokens,
-            positions,
-            spans,
-            rows,
-        };
-        self.forward_batch(backend, target_embed, kv, &batch, input, ws, None)
-    }
-
-    /// [`Eagle3Draft::forward`] over a [`DraftBatch`]; `comm` is the group's when this draft is
-    /// one tensor-parallel rank's shard ([`Eagle3Draft::load_shard`]): every rank of the group
-    /// calls it with the same step, and every rank returns the whole logits and hidden states.
+    /// hidden state `input` row t holds; its KV goes to the spans' slots in `kv` (layer 0).
+    /// Returns logits and output hidden states for the batch's `rows`. `comm` is the group's when
+    /// this draft is one tensor-parallel rank's shard ([`Eagle3Draft::load_shard`]): every rank of
+    /// the group calls it with the same step, and every rank returns the whole logits and hidden
+    /// states.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_batch(
         &self,
