@@ -18,13 +18,21 @@
 // which no rank can push before every rank has finished reading this call.
 
 __device__ __forceinline__ void store_release_sys(u64* p, u64 v) {
+#ifdef KILN_CUDASIM
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);  // cudasim (CUDA on the CPU): no PTX there
+#else
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
 }
 
 __device__ __forceinline__ u64 load_acquire_sys(const u64* p) {
+#ifdef KILN_CUDASIM
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);  // cudasim (CUDA on the CPU): no PTX there
+#else
     u64 v;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
+#endif
 }
 
 extern "C" __global__ void kiln_oneshot_allreduce_bf16(

@@ -11,9 +11,13 @@ typedef unsigned char u8;
 
 __device__ __forceinline__ float f16_at(const u8* b) {
     const unsigned short h = (unsigned short)(b[0] | (b[1] << 8));
+#ifdef KILN_CUDASIM
+    return kilnsim::f16_to_f32(h);  // cudasim (CUDA on the CPU): no PTX there
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 __device__ __forceinline__ u32 u32_at(const u8* b) {

@@ -1,0 +1,562 @@
+// cudasim's CUDA driver API: the subset kiln (through cudarc) calls, on the CPU.
+//
+// Memory: every allocation is its own mapping, placed so its end touches an unmapped guard page
+// (a kernel that runs past a buffer's rounded end faults, and the fault is reported with the
+// kernel's name), filled with 0xff bytes (NaN in every float type) as a GPU's is with garbage.
+// Kernels: modules are shared objects the simulated NVRTC built (nvrtc.cpp); a launch binds
+// (copies) its arguments at once, as cuLaunchKernel does, and runs the grid on the calling
+// thread, or records it into the capturing stream's graph.
+#include <dlfcn.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include "sim.h"
+
+using sim::Result;
+
+typedef unsigned long long CUdeviceptr;
+typedef int CUdevice;
+typedef sim::Context* CUcontext;
+typedef sim::Stream* CUstream;
+typedef sim::Graph* CUgraph;
+typedef sim::Graph* CUgraphExec;
+
+struct CUevent_st {
+    std::chrono::steady_clock::time_point at{};
+};
+typedef CUevent_st* CUevent;
+
+struct Module {
+    void* dl = nullptr;
+};
+typedef Module* CUmodule;
+
+struct Function {
+    Module* module = nullptr;
+    std::string name;
+    void* (*bind)(void**) = nullptr;
+    void (*run)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                const char*) = nullptr;
+    void (*free_bound)(void*) = nullptr;
+    int max_dynamic_smem = 48 * 1024;
+};
+typedef Function* CUfunction;
+
+namespace sim {
+
+thread_local const char* running_kernel = nullptr;
+
+void fatal(const std::string& what) {
+    std::fprintf(stderr, "cudasim: %s\n", what.c_str());
+    std::fflush(stderr);
+    std::abort();
+}
+
+int device_count() {
+    static int n = [] {
+        const char* v = std::getenv("KILN_CUDASIM_DEVICES");
+        const int d = v ? std::atoi(v) : 1;
+        return d > 0 && d <= 16 ? d : 1;
+    }();
+    return n;
+}
+
+static Context contexts[16];
+static thread_local Context* current = nullptr;
+static thread_local int capturing_streams = 0;
+
+Context* primary(int device) {
+    contexts[device].device = device;
+    return &contexts[device];
+}
+
+Context* current_context() { return current; }
+
+void enqueue(Stream* s, Work w) {
+    if (s && s->capture) {
+        s->capture->nodes.push_back(std::move(w));
+        return;
+    }
+    w();
+}
+
+bool breaks_capture(Stream* s) {
+    if (s && s->capture) {
+        s->capture_broken = true;
+        return true;
+    }
+    return capturing_streams > 0;
+}
+
+}  // namespace sim
+
+namespace {
+
+constexpr size_t kPage = 4096;
+constexpr size_t kTotalMemory = 64ull << 30;
+
+struct Mapping {
+    void* base;
+    size_t length;
+};
+std::mutex memory_lock;
+std::unordered_map<CUdeviceptr, Mapping> mappings;
+size_t allocated = 0;
+
+// A buffer whose rounded end touches an unmapped guard page.
+CUdeviceptr map_buffer(size_t bytes) {
+    const size_t rounded = (bytes + 255) & ~size_t(255);
+    const size_t pages = (rounded + kPage - 1) / kPage + 1;
+    void* base = mmap(nullptr, pages * kPage, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) return 0;
+    char* guard = static_cast<char*>(base) + (pages - 1) * kPage;
+    mprotect(guard, kPage, PROT_NONE);
+    char* start = guard - rounded;
+    std::memset(start, 0xff, rounded);
+    const auto ptr = reinterpret_cast<CUdeviceptr>(start);
+    std::lock_guard<std::mutex> g(memory_lock);
+    mappings[ptr] = {base, pages * kPage};
+    allocated += rounded;
+    return ptr;
+}
+
+Result unmap_buffer(CUdeviceptr p) {
+    if (p == 0) return sim::kSuccess;
+    std::lock_guard<std::mutex> g(memory_lock);
+    auto it = mappings.find(p);
+    if (it == mappings.end()) return sim::kInvalidValue;
+    allocated -= it->second.length - kPage;
+    munmap(it->second.base, it->second.length);
+    mappings.erase(it);
+    return sim::kSuccess;
+}
+
+void on_fault(int sig, siginfo_t* info, void*) {
+    char msg[256];
+    const int n = std::snprintf(msg, sizeof msg, "cudasim: %s at address %p in kernel %s\n",
+                                sig == SIGSEGV ? "out-of-bounds access" : "bus error",
+                                info->si_addr,
+                                sim::running_kernel ? sim::running_kernel : "(none: host code)");
+    if (n > 0) (void)!write(2, msg, (size_t)n);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+void install_fault_report() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        struct sigaction sa {};
+        sa.sa_sigaction = on_fault;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigaction(SIGSEGV, &sa, nullptr);
+        sigaction(SIGBUS, &sa, nullptr);
+    });
+}
+
+std::atomic<bool> initialised{false};
+
+}  // namespace
+
+#define API extern "C" __attribute__((visibility("default")))
+#define NEED_INIT \
+    if (!initialised.load()) return sim::kNotInitialized
+
+API Result cuInit(unsigned) {
+    install_fault_report();
+    initialised = true;
+    return sim::kSuccess;
+}
+
+API Result cuDriverGetVersion(int* v) {
+    *v = 13000;
+    return sim::kSuccess;
+}
+
+API Result cuDeviceGetCount(int* n) {
+    NEED_INIT;
+    *n = sim::device_count();
+    return sim::kSuccess;
+}
+
+API Result cuDeviceGet(CUdevice* d, int ordinal) {
+    NEED_INIT;
+    if (ordinal < 0 || ordinal >= sim::device_count()) return sim::kInvalidDevice;
+    *d = ordinal;
+    return sim::kSuccess;
+}
+
+API Result cuDeviceGetName(char* name, int len, CUdevice d) {
+    std::snprintf(name, (size_t)len, "cudasim %d (CUDA on the CPU)", d);
+    return sim::kSuccess;
+}
+
+API Result cuDeviceGetUuid_v2(unsigned char* uuid, CUdevice d) {
+    std::memset(uuid, 0, 16);
+    uuid[0] = (unsigned char)d;
+    return sim::kSuccess;
+}
+
+API Result cuDeviceTotalMem_v2(size_t* bytes, CUdevice) {
+    *bytes = kTotalMemory;
+    return sim::kSuccess;
+}
+
+API Result cuDeviceGetAttribute(int* v, int attribute, CUdevice d) {
+    if (d < 0 || d >= sim::device_count()) return sim::kInvalidDevice;
+    switch (attribute) {
+        case 1: *v = 1024; break;                  // max threads per block
+        case 8: *v = 48 * 1024; break;             // shared memory per block
+        case 10: *v = 32; break;                   // warp size
+        case 13: *v = 1000000; break;              // clock, kHz: clock64() counts nanoseconds
+        case 16: *v = 4; break;                    // SMs
+        case 36: *v = 1000000; break;              // memory clock, kHz
+        case 37: *v = 256; break;                  // bus width, bits
+        case 41: *v = 1; break;                    // unified addressing
+        case 75: *v = 9; break;                    // compute capability 9.0
+        case 76: *v = 0; break;
+        case 97: *v = 227 * 1024; break;           // opt-in shared memory per block
+        case 115: *v = 0; break;                   // no memory pools: cuMemAlloc
+        default: *v = 0; break;
+    }
+    return sim::kSuccess;
+}
+
+API Result cuDeviceCanAccessPeer(int* can, CUdevice, CUdevice) {
+    *can = 1;
+    return sim::kSuccess;
+}
+
+API Result cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+    NEED_INIT;
+    if (d < 0 || d >= sim::device_count()) return sim::kInvalidDevice;
+    *c = sim::primary(d);
+    return sim::kSuccess;
+}
+
+API Result cuDevicePrimaryCtxRelease_v2(CUdevice) { return sim::kSuccess; }
+
+API Result cuCtxSetCurrent(CUcontext c) {
+    sim::current = c;
+    return sim::kSuccess;
+}
+
+API Result cuCtxGetCurrent(CUcontext* c) {
+    *c = sim::current;
+    return sim::kSuccess;
+}
+
+API Result cuCtxPushCurrent_v2(CUcontext c) { return cuCtxSetCurrent(c); }
+API Result cuCtxPopCurrent_v2(CUcontext* c) {
+    if (c) *c = sim::current;
+    return sim::kSuccess;
+}
+
+API Result cuCtxGetDevice(CUdevice* d) {
+    if (!sim::current) return sim::kInvalidContext;
+    *d = sim::current->device;
+    return sim::kSuccess;
+}
+
+API Result cuCtxSynchronize() {
+    if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    return sim::kSuccess;
+}
+
+API Result cuCtxEnablePeerAccess(CUcontext peer, unsigned) {
+    static std::mutex lock;
+    static std::map<std::pair<int, int>, bool> enabled;
+    if (!sim::current || !peer) return sim::kInvalidContext;
+    std::lock_guard<std::mutex> g(lock);
+    auto& e = enabled[{sim::current->device, peer->device}];
+    if (e) return sim::kPeerAccessAlreadyEnabled;
+    e = true;
+    return sim::kSuccess;
+}
+
+API Result cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    std::lock_guard<std::mutex> g(memory_lock);
+    *total = kTotalMemory;
+    *free_bytes = kTotalMemory - (allocated < kTotalMemory ? allocated : kTotalMemory);
+    return sim::kSuccess;
+}
+
+API Result cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
+    NEED_INIT;
+    *p = map_buffer(bytes);
+    return *p ? sim::kSuccess : sim::kOutOfMemory;
+}
+
+API Result cuMemFree_v2(CUdeviceptr p) { return unmap_buffer(p); }
+
+API Result cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc_v2(p, bytes); }
+API Result cuMemFreeAsync(CUdeviceptr p, CUstream) { return unmap_buffer(p); }
+
+API Result cuMemAllocHost_v2(void** p, size_t bytes) {
+    *p = std::malloc(bytes ? bytes : 1);
+    return *p ? sim::kSuccess : sim::kOutOfMemory;
+}
+API Result cuMemHostAlloc(void** p, size_t bytes, unsigned) { return cuMemAllocHost_v2(p, bytes); }
+API Result cuMemFreeHost(void* p) {
+    std::free(p);
+    return sim::kSuccess;
+}
+API Result cuMemHostRegister_v2(void*, size_t, unsigned) { return sim::kSuccess; }
+API Result cuMemHostUnregister(void*) { return sim::kSuccess; }
+
+static void copy_on(CUstream s, void* dst, const void* src, size_t n) {
+    sim::enqueue(s, [=] { std::memmove(dst, src, n); });
+}
+
+API Result cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+    copy_on(s, reinterpret_cast<void*>(dst), src, n);
+    return sim::kSuccess;
+}
+API Result cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+    copy_on(s, dst, reinterpret_cast<const void*>(src), n);
+    return sim::kSuccess;
+}
+API Result cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    copy_on(s, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+    return sim::kSuccess;
+}
+API Result cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return cuMemcpyDtoDAsync_v2(dst, src, n, s);
+}
+API Result cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext, CUdeviceptr src, CUcontext, size_t n,
+                             CUstream s) {
+    return cuMemcpyDtoDAsync_v2(dst, src, n, s);
+}
+API Result cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+    if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    std::memmove(reinterpret_cast<void*>(dst), src, n);
+    return sim::kSuccess;
+}
+API Result cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+    if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    std::memmove(dst, reinterpret_cast<const void*>(src), n);
+    return sim::kSuccess;
+}
+API Result cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+    return sim::kSuccess;
+}
+
+API Result cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
+    sim::enqueue(s, [=] { std::memset(reinterpret_cast<void*>(dst), v, n); });
+    return sim::kSuccess;
+}
+API Result cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, CUstream s) {
+    sim::enqueue(s, [=] {
+        auto* p = reinterpret_cast<unsigned*>(dst);
+        for (size_t i = 0; i < n; i++) p[i] = v;
+    });
+    return sim::kSuccess;
+}
+API Result cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
+    if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    std::memset(reinterpret_cast<void*>(dst), v, n);
+    return sim::kSuccess;
+}
+
+API Result cuStreamCreate(CUstream* s, unsigned) {
+    NEED_INIT;
+    *s = new sim::Stream{sim::current ? sim::current->device : 0};
+    return sim::kSuccess;
+}
+API Result cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) {
+    return cuStreamCreate(s, flags);
+}
+API Result cuStreamDestroy_v2(CUstream s) {
+    delete s;
+    return sim::kSuccess;
+}
+API Result cuStreamSynchronize(CUstream s) {
+    if (sim::breaks_capture(s)) return sim::kCaptureUnsupported;
+    return sim::kSuccess;
+}
+API Result cuStreamQuery(CUstream s) {
+    if (sim::breaks_capture(s)) return sim::kCaptureUnsupported;
+    return sim::kSuccess;
+}
+API Result cuStreamWaitEvent(CUstream, CUevent, unsigned) { return sim::kSuccess; }
+
+API Result cuStreamBeginCapture_v2(CUstream s, int) {
+    if (!s) return sim::kCaptureUnsupported;  // the legacy stream cannot capture
+    if (s->capture) return sim::kInvalidValue;
+    s->capture = new sim::Graph;
+    s->capture_broken = false;
+    sim::capturing_streams++;
+    return sim::kSuccess;
+}
+
+API Result cuStreamEndCapture(CUstream s, CUgraph* g) {
+    if (!s || !s->capture) return sim::kInvalidValue;
+    sim::Graph* graph = s->capture;
+    s->capture = nullptr;
+    sim::capturing_streams--;
+    if (s->capture_broken) {
+        delete graph;
+        *g = nullptr;
+        return sim::kCaptureInvalidated;
+    }
+    *g = graph;
+    return sim::kSuccess;
+}
+
+API Result cuStreamIsCapturing(CUstream s, int* status) {
+    *status = s && s->capture ? (s->capture_broken ? 2 : 1) : 0;
+    return sim::kSuccess;
+}
+
+API Result cuLaunchHostFunc(CUstream s, void (*fn)(void*), void* data) {
+    sim::enqueue(s, [=] { fn(data); });
+    return sim::kSuccess;
+}
+
+API Result cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph g, unsigned long long) {
+    if (!g) return sim::kInvalidValue;
+    *exec = new sim::Graph(*g);
+    return sim::kSuccess;
+}
+API Result cuGraphUpload(CUgraphExec, CUstream) { return sim::kSuccess; }
+API Result cuGraphLaunch(CUgraphExec exec, CUstream s) {
+    if (!exec) return sim::kInvalidValue;
+    for (auto& node : exec->nodes) sim::enqueue(s, node);
+    return sim::kSuccess;
+}
+API Result cuGraphExecDestroy(CUgraphExec exec) {
+    delete exec;
+    return sim::kSuccess;
+}
+API Result cuGraphDestroy(CUgraph g) {
+    delete g;
+    return sim::kSuccess;
+}
+
+API Result cuEventCreate(CUevent* e, unsigned) {
+    *e = new CUevent_st;
+    (*e)->at = std::chrono::steady_clock::now();
+    return sim::kSuccess;
+}
+API Result cuEventDestroy_v2(CUevent e) {
+    delete e;
+    return sim::kSuccess;
+}
+API Result cuEventRecord(CUevent e, CUstream s) {
+    sim::enqueue(s, [=] { e->at = std::chrono::steady_clock::now(); });
+    return sim::kSuccess;
+}
+API Result cuEventRecordWithFlags(CUevent e, CUstream s, unsigned) { return cuEventRecord(e, s); }
+API Result cuEventSynchronize(CUevent) {
+    if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    return sim::kSuccess;
+}
+API Result cuEventQuery(CUevent) { return sim::kSuccess; }
+API Result cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) {
+    *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+    return sim::kSuccess;
+}
+API Result cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+    return cuEventElapsedTime_v2(ms, start, end);
+}
+
+// The simulated NVRTC's "PTX" names the shared object it built (nvrtc.cpp).
+static const char kModuleMark[] = "//cudasim-module:";
+
+API Result cuModuleLoadData(CUmodule* m, const void* image) {
+    const char* text = static_cast<const char*>(image);
+    if (std::strncmp(text, kModuleMark, sizeof kModuleMark - 1) != 0) return sim::kInvalidImage;
+    std::string path(text + sizeof kModuleMark - 1);
+    while (!path.empty() && (path.back() == '\n' || path.back() == '\0')) path.pop_back();
+    void* dl = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!dl) {
+        std::fprintf(stderr, "cudasim: loading %s: %s\n", path.c_str(), dlerror());
+        return sim::kInvalidImage;
+    }
+    *m = new Module{dl};
+    return sim::kSuccess;
+}
+
+API Result cuModuleUnload(CUmodule) { return sim::kSuccess; }  // functions may outlive it
+
+API Result cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+    const std::string bind = std::string("kilnsim_bind_") + name;
+    auto* fn = new Function;
+    fn->module = m;
+    fn->name = name;
+    fn->bind = reinterpret_cast<void* (*)(void**)>(dlsym(m->dl, bind.c_str()));
+    fn->run = reinterpret_cast<decltype(fn->run)>(dlsym(m->dl, "kilnsim_run"));
+    fn->free_bound = reinterpret_cast<void (*)(void*)>(dlsym(m->dl, "kilnsim_free"));
+    if (!fn->bind || !fn->run || !fn->free_bound) {
+        delete fn;
+        return sim::kNotFound;
+    }
+    *f = fn;
+    return sim::kSuccess;
+}
+
+API Result cuFuncSetAttribute(CUfunction f, int attribute, int value) {
+    if (attribute == 8) {  // max dynamic shared memory
+        if (value < 0 || value > 227 * 1024) return sim::kInvalidValue;
+        f->max_dynamic_smem = value;
+    }
+    return sim::kSuccess;
+}
+
+API Result cuFuncGetAttribute(int* v, int attribute, CUfunction f) {
+    switch (attribute) {
+        case 0: *v = 1024; break;  // max threads per block
+        case 4: *v = 32; break;    // registers
+        case 8: *v = f->max_dynamic_smem; break;
+        default: *v = 0; break;
+    }
+    return sim::kSuccess;
+}
+
+API Result cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                          unsigned by, unsigned bz, unsigned smem, CUstream s, void** params,
+                          void** extra) {
+    if (!f || extra) return sim::kInvalidValue;
+    const unsigned long long threads = (unsigned long long)bx * by * bz;
+    if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || gy > 65535 || gz > 65535 ||
+        gx > 0x7fffffffu)
+        return sim::kInvalidValue;
+    if (threads > 1024) return sim::kInvalidValue;
+    if ((int)smem > f->max_dynamic_smem) {
+        std::fprintf(stderr, "cudasim: %s launched with %u bytes of dynamic shared memory, over its %d\n",
+                     f->name.c_str(), smem, f->max_dynamic_smem);
+        return sim::kInvalidValue;
+    }
+    // Bound now: a launch copies its arguments when it is enqueued.
+    std::shared_ptr<void> bound(f->bind(params), f->free_bound);
+    Function* fn = f;
+    sim::enqueue(s, [=] {
+        const char* outer = sim::running_kernel;
+        sim::running_kernel = fn->name.c_str();
+        fn->run(bound.get(), gx, gy, gz, bx, by, bz, smem, fn->name.c_str());
+        sim::running_kernel = outer;
+    });
+    return sim::kSuccess;
+}
+
+API Result cuGetErrorString(Result r, const char** s) {
+    switch (r) {
+        case sim::kSuccess: *s = "no error"; break;
+        case sim::kCaptureUnsupported: *s = "operation not permitted when stream is capturing"; break;
+        case sim::kCaptureInvalidated: *s = "operation failed due to a previous error during capture"; break;
+        default: *s = "cudasim error"; break;
+    }
+    return sim::kSuccess;
+}
+API Result cuGetErrorName(Result r, const char** s) { return cuGetErrorString(r, s); }

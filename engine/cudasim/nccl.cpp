@@ -1,0 +1,232 @@
+// cudasim's NCCL: communicators between the rank threads of one process. A collective runs when
+// its stream reaches it (at once, or at a graph's replay): every rank's n-th collective meets the
+// others' n-th, sums or gathers in rank order (f32 accumulation, so every rank gets identical
+// values), and a barrier on each side keeps in-place buffers from being overwritten while a peer
+// still reads them. A rank that never arrives leaves the others waiting, as NCCL does, until
+// ncclCommAbort ends the wait.
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "sim.h"
+
+namespace {
+
+// ncclResult_t
+constexpr int kSuccess = 0, kInvalidArgument = 4, kInvalidUsage = 5, kRemoteError = 6;
+// ncclDataType_t
+constexpr int kI32 = 2, kF16 = 6, kF32 = 7, kBF16 = 9;
+
+struct Group {
+    int world = 0;
+    std::mutex m;
+    std::condition_variable cv;
+    unsigned long gen = 0;
+    int arrived = 0;
+    bool aborted = false;
+    std::vector<const void*> send;
+};
+
+struct Comm {
+    std::shared_ptr<Group> group;
+    int rank = 0, device = 0;
+    bool aborted = false;
+};
+
+std::mutex registry_lock;
+std::map<std::string, std::weak_ptr<Group>> groups;
+std::atomic<unsigned long> next_id{1};
+
+// Waits until all ranks have arrived (false: the group was aborted meanwhile).
+bool barrier(Group& g) {
+    std::unique_lock<std::mutex> l(g.m);
+    const unsigned long gen = g.gen;
+    if (++g.arrived == g.world) {
+        g.arrived = 0;
+        g.gen++;
+        g.cv.notify_all();
+        return !g.aborted;
+    }
+    g.cv.wait(l, [&] { return g.gen != gen || g.aborted; });
+    return !g.aborted;
+}
+
+float value(const void* p, int type, size_t i) {
+    switch (type) {
+        case kF32: return static_cast<const float*>(p)[i];
+        case kI32: return float(static_cast<const int*>(p)[i]);
+        default: {  // bf16
+            const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+            float f;
+            std::memcpy(&f, &bits, 4);
+            return f;
+        }
+    }
+}
+
+void put(void* p, int type, size_t i, float v) {
+    switch (type) {
+        case kF32: static_cast<float*>(p)[i] = v; return;
+        case kI32: static_cast<int*>(p)[i] = int(v); return;
+        default: {
+            uint32_t bits;
+            std::memcpy(&bits, &v, 4);
+            static_cast<uint16_t*>(p)[i] = (bits & 0x7fffffffu) > 0x7f800000u
+                                               ? uint16_t((bits >> 16) | 0x40u)
+                                               : uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
+size_t size_of(int type) { return type == kF32 || type == kI32 ? 4 : 2; }
+
+bool supported(int type) { return type == kF32 || type == kI32 || type == kBF16; }
+
+// Every rank publishes its send buffer, waits for all, runs `body`, then waits for all again.
+template <typename Body>
+void meet(Comm* c, const void* send, Body body) {
+    Group& g = *c->group;
+    {
+        std::lock_guard<std::mutex> l(g.m);
+        g.send[c->rank] = send;
+    }
+    if (!barrier(g)) return;
+    body(g);
+    barrier(g);
+}
+
+}  // namespace
+
+#define API extern "C" __attribute__((visibility("default")))
+
+struct UniqueId {
+    char internal[128];
+};
+
+API int ncclGetVersion(int* v) {
+    *v = 23000;  // 2.30.0
+    return kSuccess;
+}
+
+API int ncclGetUniqueId(UniqueId* id) {
+    std::memset(id->internal, 0, sizeof id->internal);
+    std::snprintf(id->internal, sizeof id->internal, "cudasim-%d-%lu", (int)getpid(), next_id++);
+    return kSuccess;
+}
+
+API const char* ncclGetErrorString(int r) {
+    switch (r) {
+        case kSuccess: return "no error";
+        case kInvalidArgument: return "invalid argument";
+        case kInvalidUsage: return "invalid usage";
+        case kRemoteError: return "remote process exited or there was a network error";
+        case 7: return "NCCL operation in progress";
+        default: return "cudasim NCCL error";
+    }
+}
+
+API const char* ncclGetLastError(void*) { return ""; }
+
+API int ncclCommInitRankConfig(Comm** comm, int world, UniqueId id, int rank, void*) {
+    if (world < 1 || rank < 0 || rank >= world) return kInvalidArgument;
+    const std::string key(id.internal, strnlen(id.internal, sizeof id.internal));
+    std::shared_ptr<Group> g;
+    {
+        std::lock_guard<std::mutex> l(registry_lock);
+        g = groups[key].lock();
+        if (!g) {
+            g = std::make_shared<Group>();
+            g->world = world;
+            g->send.assign(world, nullptr);
+            groups[key] = g;
+        }
+    }
+    if (g->world != world) return kInvalidArgument;
+    sim::Context* ctx = sim::current_context();
+    *comm = new Comm{g, rank, ctx ? ctx->device : 0, false};
+    return kSuccess;
+}
+
+API int ncclCommInitRank(Comm** comm, int world, UniqueId id, int rank) {
+    return ncclCommInitRankConfig(comm, world, id, rank, nullptr);
+}
+
+API int ncclCommGetAsyncError(Comm* c, int* state) {
+    if (!c) return kInvalidArgument;
+    std::lock_guard<std::mutex> l(c->group->m);
+    *state = c->group->aborted ? kRemoteError : kSuccess;
+    return kSuccess;
+}
+
+API int ncclCommAbort(Comm* c) {
+    if (!c) return kSuccess;
+    {
+        std::lock_guard<std::mutex> l(c->group->m);
+        c->group->aborted = true;
+    }
+    c->group->cv.notify_all();
+    delete c;
+    return kSuccess;
+}
+
+API int ncclCommFinalize(Comm*) { return kSuccess; }
+API int ncclCommDestroy(Comm* c) {
+    delete c;
+    return kSuccess;
+}
+API int ncclCommCount(const Comm* c, int* n) {
+    *n = c->group->world;
+    return kSuccess;
+}
+API int ncclCommUserRank(const Comm* c, int* r) {
+    *r = c->rank;
+    return kSuccess;
+}
+API int ncclCommCuDevice(const Comm* c, int* d) {
+    *d = c->device;
+    return kSuccess;
+}
+API int ncclGroupStart() { return kSuccess; }
+API int ncclGroupEnd() { return kSuccess; }
+
+API int ncclAllReduce(const void* send, void* recv, size_t n, int type, int op, Comm* c,
+                      sim::Stream* s) {
+    if (!c || op != 0 || !supported(type)) return kInvalidArgument;  // sums only
+    const int rank = c->rank;
+    std::shared_ptr<Group> group = c->group;
+    sim::enqueue(s, [=] {
+        Comm self{group, rank, 0, false};
+        std::vector<float> sum(n, 0.f);
+        meet(&self, send, [&](Group& g) {
+            for (int r = 0; r < g.world; r++)
+                for (size_t i = 0; i < n; i++) sum[i] += value(g.send[r], type, i);
+        });
+        // Written after the second barrier: every peer has read this rank's (maybe aliased) input.
+        if (!group->aborted)
+            for (size_t i = 0; i < n; i++) put(recv, type, i, sum[i]);
+    });
+    return kSuccess;
+}
+
+API int ncclAllGather(const void* send, void* recv, size_t n, int type, Comm* c, sim::Stream* s) {
+    if (!c || !supported(type)) return kInvalidArgument;
+    const int rank = c->rank;
+    std::shared_ptr<Group> group = c->group;
+    sim::enqueue(s, [=] {
+        Comm self{group, rank, 0, false};
+        std::vector<char> all;
+        meet(&self, send, [&](Group& g) {
+            const size_t bytes = n * size_of(type);
+            all.resize(bytes * g.world);
+            for (int r = 0; r < g.world; r++) std::memcpy(all.data() + r * bytes, g.send[r], bytes);
+        });
+        if (!group->aborted) std::memcpy(recv, all.data(), all.size());
+    });
+    return kSuccess;
+}
