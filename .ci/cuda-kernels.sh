@@ -4,7 +4,7 @@
 # the ignored test `every_kernel_compiles_for_hopper_and_blackwell`, which prints each kernel's
 # registers, shared memory and spills. The CUDA backend's host-side unit tests (step metadata,
 # splits, shared memory, the op-parity harness on the CPU, the probe, the device refusals) run
-# in the same `--features cuda` test binary.
+# in the same test binary (the default build carries the CUDA backend).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${KILN_CI_CACHE:-$HOME/.cache/kiln-ci}
@@ -18,10 +18,10 @@ CUDA_HOME_DIR=$("$VENV/bin/python" -c 'import nvidia, os; print(os.path.join(lis
 LOG=$(mktemp)
 trap 'rm -f "$LOG"' EXIT
 export LD_LIBRARY_PATH="$CUDA_HOME_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KILN_CUDA_HOME="$CUDA_HOME_DIR"
-cargo test --release --features cuda --lib -- --ignored --exact --nocapture \
+cargo test --release --lib -- --ignored --exact --nocapture \
   backend::cuda::kernels::tests::every_kernel_compiles_for_hopper_and_blackwell 2>&1 | tee "$LOG"
 # The compile check ran, passed, and assembled kernels (a filter that matches nothing passes too).
 grep -q 'test result: ok. 1 passed' "$LOG" || { echo "the kernel compile check did not run and pass"; exit 1; }
 grep -E -q '^[1-9][0-9]* kernel sources assembled$' "$LOG" \
   || { echo "the kernel compile check assembled no kernel"; exit 1; }
-cargo test --release --features cuda --lib -- backend::cuda runner::
+cargo test --release --lib -- backend::cuda runner::

@@ -7,6 +7,7 @@
 // (copies) its arguments at once, as cuLaunchKernel does, and runs the grid on the calling
 // thread, or records it into the capturing stream's graph.
 #include <dlfcn.h>
+#include <execinfo.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -108,8 +109,9 @@ struct Mapping {
     void* base;
     size_t length;
 };
-std::mutex memory_lock;
-std::unordered_map<CUdeviceptr, Mapping> mappings;
+// Never destroyed: kiln's threads may still free buffers while the process exits.
+std::mutex& memory_lock = *new std::mutex;
+std::unordered_map<CUdeviceptr, Mapping>& mappings = *new std::unordered_map<CUdeviceptr, Mapping>;
 size_t allocated = 0;
 
 // A buffer whose rounded end touches an unmapped guard page.
@@ -148,6 +150,8 @@ void on_fault(int sig, siginfo_t* info, void*) {
                                 info->si_addr,
                                 sim::running_kernel ? sim::running_kernel : "(none: host code)");
     if (n > 0) (void)!write(2, msg, (size_t)n);
+    void* frames[48];
+    backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
     signal(sig, SIG_DFL);
     raise(sig);
 }
@@ -165,6 +169,24 @@ void install_fault_report() {
 
 std::atomic<bool> initialised{false};
 
+// What the process ran, for tests that must know a path was taken (a graph replayed, not only
+// recorded): rewritten after every capture and graph launch when KILN_CUDASIM_STATS names a file.
+std::atomic<unsigned long> kernel_launches{0}, captures{0}, graph_launches{0};
+
+void write_stats() {
+    static const char* path = std::getenv("KILN_CUDASIM_STATS");
+    if (!path) return;
+    static std::mutex& lock = *new std::mutex;
+    std::lock_guard<std::mutex> g(lock);
+    const std::string tmp = std::string(path) + ".tmp";
+    if (FILE* f = std::fopen(tmp.c_str(), "w")) {
+        std::fprintf(f, "{\"kernel_launches\": %lu, \"captures\": %lu, \"graph_launches\": %lu}\n",
+                     kernel_launches.load(), captures.load(), graph_launches.load());
+        std::fclose(f);
+        std::rename(tmp.c_str(), path);
+    }
+}
+
 }  // namespace
 
 #define API extern "C" __attribute__((visibility("default")))
@@ -174,6 +196,7 @@ std::atomic<bool> initialised{false};
 API Result cuInit(unsigned) {
     install_fault_report();
     initialised = true;
+    write_stats();
     return sim::kSuccess;
 }
 
@@ -273,8 +296,8 @@ API Result cuCtxSynchronize() {
 }
 
 API Result cuCtxEnablePeerAccess(CUcontext peer, unsigned) {
-    static std::mutex lock;
-    static std::map<std::pair<int, int>, bool> enabled;
+    static std::mutex& lock = *new std::mutex;
+    static auto& enabled = *new std::map<std::pair<int, int>, bool>;
     if (!sim::current || !peer) return sim::kInvalidContext;
     std::lock_guard<std::mutex> g(lock);
     auto& e = enabled[{sim::current->device, peer->device}];
@@ -411,6 +434,8 @@ API Result cuStreamEndCapture(CUstream s, CUgraph* g) {
         return sim::kCaptureInvalidated;
     }
     *g = graph;
+    captures++;
+    write_stats();
     return sim::kSuccess;
 }
 
@@ -433,6 +458,8 @@ API Result cuGraphUpload(CUgraphExec, CUstream) { return sim::kSuccess; }
 API Result cuGraphLaunch(CUgraphExec exec, CUstream s) {
     if (!exec) return sim::kInvalidValue;
     for (auto& node : exec->nodes) sim::enqueue(s, node);
+    graph_launches++;
+    write_stats();
     return sim::kSuccess;
 }
 API Result cuGraphExecDestroy(CUgraphExec exec) {
@@ -540,6 +567,7 @@ API Result cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, u
     }
     // Bound now: a launch copies its arguments when it is enqueued.
     std::shared_ptr<void> bound(f->bind(params), f->free_bound);
+    kernel_launches++;
     Function* fn = f;
     sim::enqueue(s, [=] {
         const char* outer = sim::running_kernel;

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <sched.h>
 #include <sys/mman.h>
 #include <vector>
 
@@ -304,8 +305,11 @@ inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 // The simulated device reports a 1 GHz clock (CU_DEVICE_ATTRIBUTE_CLOCK_RATE), so a cycle is a
-// nanosecond of the host's steady clock.
+// nanosecond of the host's steady clock. Kernels read the clock in spin loops only (waiting on a
+// peer rank's thread): each read yields the core, so a waiting rank does not starve the one it
+// waits for on a small machine.
 inline long long clock64() {
+    sched_yield();
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
         .count();

@@ -39,8 +39,9 @@ struct Comm {
     bool aborted = false;
 };
 
-std::mutex registry_lock;
-std::map<std::string, std::weak_ptr<Group>> groups;
+// Never destroyed: rank threads may still be in a collective while the process exits.
+std::mutex& registry_lock = *new std::mutex;
+auto& groups = *new std::map<std::string, std::weak_ptr<Group>>;
 std::atomic<unsigned long> next_id{1};
 
 // Waits until all ranks have arrived (false: the group was aborted meanwhile).

@@ -33,7 +33,13 @@ impl Server {
     /// `kiln serve ARGS`, nothing added, listening on `port` (given in ARGS or in the config or
     /// lock they name); returns once /ready answers 200.
     pub fn start_exactly(port: u16, args: &[&str]) -> Server {
+        Server::start_with_env(port, args, &[])
+    }
+
+    /// `start_exactly` with `env` set for the server process.
+    pub fn start_with_env(port: u16, args: &[&str], env: &[(&str, &str)]) -> Server {
         let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .envs(env.iter().copied())
             .arg("serve")
             .args(args)
             .stdout(Stdio::null())

@@ -1,0 +1,421 @@
+//! kiln's CUDA backend on cudasim: CUDA's driver, NVRTC, cuBLASLt and NCCL simulated on the CPU
+//! (`engine/cudasim/`), so every CUDA kernel and all of the backend's host code run here, where
+//! there is no GPU. The kernels are kiln's own sources compiled as host C++, one fiber per CUDA
+//! thread; what that proves and what it cannot is in the README ("CUDA on the CPU").
+//!
+//! References: the op checks compare with the CPU backend (`kiln gpu-check`), the models with
+//! transformers' greedy tokens recorded in tests/fixtures. bf16 on the GPU against the float32
+//! reference may part where the reference's top two logits are close, so a token may differ only
+//! where the reference's margin is within [`TIE`] (scaled for large logits).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::server::{Server, free_port};
+
+/// Reference margins at or below this are ties bf16 cannot order (logits up to 16).
+const TIE: f64 = 0.1;
+
+/// cudasim, built once per test run into the target directory.
+fn sim_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cudasim");
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cudasim/build.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg(&dir)
+            .output()
+            .expect("run cudasim/build.sh");
+        assert!(
+            out.status.success(),
+            "building cudasim failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir
+    })
+}
+
+/// The environment that puts a kiln process on `devices` simulated GPUs.
+fn sim_env(devices: usize) -> Vec<(String, String)> {
+    let dir = sim_dir().display().to_string();
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(p) if !p.is_empty() => format!("{dir}:{p}"),
+        _ => dir,
+    };
+    let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cudasim-kernels");
+    vec![
+        ("LD_LIBRARY_PATH".into(), path),
+        ("KILN_CUDASIM_DEVICES".into(), devices.to_string()),
+        ("KILN_CUDASIM_CACHE".into(), cache.display().to_string()),
+    ]
+}
+
+fn kiln_on_sim(devices: usize) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.envs(sim_env(devices));
+    c
+}
+
+fn ids(v: &serde_json::Value, key: &str) -> Vec<u32> {
+    serde_json::from_value(v[key].clone()).unwrap_or_else(|e| panic!("{key}: {e}"))
+}
+
+fn floats(v: &serde_json::Value, key: &str) -> Vec<f64> {
+    serde_json::from_value(v[key].clone()).unwrap_or_else(|e| panic!("{key}: {e}"))
+}
+
+/// How many leading tokens of `got` equal `want`; panics where they part at a reference margin
+/// above `tie(step)`, unless the model's first `exact` tokens all held (see the callers).
+fn follows(
+    name: &str,
+    got: &[u32],
+    want: &[u32],
+    margins: &[f64],
+    tie: impl Fn(usize) -> f64,
+) -> usize {
+    assert_eq!(got.len(), want.len(), "{name}: {got:?} against {want:?}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if g != w {
+            assert!(
+                margins[i] <= tie(i),
+                "{name}: token {i} is {g}, transformers' {w} leads by {:.3} (tie: {:.3})\n got  {got:?}\n want {want:?}",
+                margins[i],
+                tie(i)
+            );
+            return i;
+        }
+    }
+    got.len()
+}
+
+/// `kiln generate --device cuda` on the simulated GPU: the greedy ids after `prompt`.
+fn generate_on_sim(model: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
+    let prompt: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = kiln_on_sim(1)
+        .args([
+            "generate",
+            "--device",
+            "cuda",
+            "--ignore-eos",
+            "--json",
+            "--model",
+        ])
+        .arg(model)
+        .args([
+            "--prompt-ids",
+            &prompt.join(","),
+            "--max-tokens",
+            &n.to_string(),
+        ])
+        .output()
+        .expect("run kiln generate");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kiln generate --device cuda on {}: {}\n{}",
+        model.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    let v: serde_json::Value =
+        serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    ids(&v, "output_ids")
+}
+
+/// A copy of a tiny fixture model with a word-level tokenizer ("t0 t1 ..."), so served text maps
+/// back to token ids.
+fn tiny_model(dir: &str, tag: &str) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(dir);
+    let name = Path::new(dir)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("model");
+    let dst =
+        std::env::temp_dir().join(format!("kiln-cudasim-{}-{tag}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dst).expect("temp dir");
+    for e in std::fs::read_dir(&src).expect("fixture dir").flatten() {
+        std::fs::copy(e.path(), dst.join(e.file_name())).expect("copy");
+    }
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..1024)
+        .map(|i| (format!("t{i}"), serde_json::json!(i)))
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
+    });
+    std::fs::write(dst.join("tokenizer.json"), tokenizer.to_string()).expect("tokenizer");
+    std::fs::write(
+        dst.join("tokenizer_config.json"),
+        r#"{"bos_token": null, "eos_token": "t2"}"#,
+    )
+    .expect("tokenizer config");
+    dst
+}
+
+fn fixture_models(file: &str) -> Vec<serde_json::Value> {
+    common::fixture(file)["models"]
+        .as_array()
+        .expect("models")
+        .clone()
+}
+
+/// Every kernel against its CPU reference, every op of the CUDA backend against the CPU backend,
+/// the NCCL sweep's code path and the one-shot all-reduce kernel's protocol over 4 ranks: what
+/// `kiln gpu-check` runs on a lent GPU, here on the simulated one.
+#[test]
+fn gpu_check_passes_on_the_simulated_gpu() {
+    let out = kiln_on_sim(1)
+        .args(["gpu-check", "--skip-moe-layer", "--seed", "7"])
+        .output()
+        .expect("run kiln gpu-check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "kiln gpu-check: {}\n{text}",
+        out.status
+    );
+    let passed = text
+        .lines()
+        .filter(|l| l.trim_end().ends_with("  pass"))
+        .count();
+    assert!(passed >= 70, "only {passed} cases passed:\n{text}");
+    assert!(!text.contains("FAIL"), "{text}");
+    assert!(text.contains("every sum bit-exact"), "{text}");
+}
+
+/// Models whose float32 reference parts from bf16 arithmetic at a margin above TIE; each must
+/// follow for this many tokens. kimi-k2-int4 parts at token 10 (margin 1.25) on the CPU backend
+/// too once its weights are rounded to bf16, so it is the checkpoint's sensitivity, not the GPU
+/// path. deepseek-v3 parts at token 3 (margin 0.54) on the simulated GPU only: the CPU backend
+/// keeps float32 activations; the GPU check on real hardware decides (see the README).
+const BF16_SENSITIVE: &[(&str, usize)] = &[("kimi-k2-int4", 10), ("deepseek-v3", 3)];
+
+/// Every tiny architecture (Llama 3, Mistral, Qwen2, Qwen3, sharded bf16, DeepSeek-V3 MLA + MoE
+/// in float32, block FP8 and Kimi-K2's INT4 experts, 4 and 8 heads) greedy on the simulated GPU
+/// against transformers.
+#[test]
+fn tiny_models_on_the_simulated_gpu_follow_transformers() {
+    let mut followed = 0;
+    let mut compared = 0;
+    for file in [
+        "tiny-models.json",
+        "tiny-deepseek.json",
+        "tiny-deepseek-8h.json",
+    ] {
+        for m in fixture_models(file) {
+            let name = m["name"].as_str().expect("name").to_string();
+            let dir = tiny_model(m["dir"].as_str().expect("dir"), "generate");
+            let (prompt, want, margins) = (
+                ids(&m, "prompt_ids"),
+                ids(&m, "greedy_ids"),
+                floats(&m, "margins"),
+            );
+            let got = generate_on_sim(&dir, &prompt, want.len());
+            let exact = BF16_SENSITIVE
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|&(_, k)| k);
+            let n = match exact {
+                Some(k) => {
+                    assert_eq!(got[..k], want[..k], "{name}: the first {k} tokens");
+                    follows(&name, &got, &want, &margins, |i| {
+                        if i < k { TIE } else { f64::INFINITY }
+                    })
+                }
+                None => follows(&name, &got, &want, &margins, |_| TIE),
+            };
+            eprintln!("{name}: {n} of {} tokens equal transformers'", want.len());
+            followed += n;
+            compared += want.len();
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+    // Ties aside, most tokens must agree: a broken path parts at once.
+    assert!(
+        followed * 2 >= compared,
+        "{followed} of {compared} tokens followed"
+    );
+}
+
+/// SmolLM2-135M Q4_1 (the default model, real weights, the packed Q4 kernels) on the simulated
+/// GPU against transformers' greedy tokens. Its logits reach ~32, where bf16 steps are 0.25, so
+/// the tie margin scales with the reference's top logit.
+#[test]
+fn smollm2_on_the_simulated_gpu_follows_transformers() {
+    let f = common::fixture("smollm2-135m.greedy.json");
+    let case = &f["cases"][0];
+    let n = 24;
+    let want = &ids(case, "greedy_ids")[..n];
+    let margins = floats(case, "margins");
+    let top: Vec<f64> = case["logits"]
+        .as_array()
+        .expect("logits")
+        .iter()
+        .map(|l| l["top_logits"][0].as_f64().expect("top logit"))
+        .collect();
+    let got = generate_on_sim(&common::smollm2(), &ids(case, "prompt_ids"), n);
+    let followed = follows("smollm2", &got, want, &margins, |i| {
+        TIE.max(top[i].abs() / 64.0)
+    });
+    assert!(
+        followed >= n / 2,
+        "smollm2: {followed} of {n} tokens followed"
+    );
+}
+
+/// Completions through `kiln serve --device cuda`: one request at a time, so eager and replayed
+/// steps see the same batches and must give the same tokens bit for bit.
+fn served_tokens(
+    model: &Path,
+    devices: usize,
+    args: &[&str],
+    prompts: &[Vec<u32>],
+    n: usize,
+) -> (Vec<Vec<u32>>, serde_json::Value) {
+    let port = free_port();
+    let stats = std::env::temp_dir().join(format!(
+        "kiln-cudasim-stats-{}-{port}.json",
+        std::process::id()
+    ));
+    let model_arg = model.display().to_string();
+    let port_arg = port.to_string();
+    let mut all = vec![
+        "--port",
+        &port_arg,
+        "--model",
+        &model_arg,
+        "--device",
+        "cuda",
+        "--kv-tokens",
+        "2048",
+    ];
+    all.extend_from_slice(args);
+    let mut env = sim_env(devices);
+    env.push(("KILN_CUDASIM_STATS".into(), stats.display().to_string()));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut server = Server::start_with_env(port, &all, &env);
+    let (_, models) = server.request("GET", "/v1/models", &[], b"");
+    let models: serde_json::Value = serde_json::from_str(&models).expect("/v1/models");
+    let id = models["data"][0]["id"].clone();
+    let outs = prompts
+        .iter()
+        .map(|p| {
+            let body = serde_json::json!({"model": id, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": true});
+            let (status, v) = server.post_json("/v1/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            let text = v["choices"][0]["text"].as_str().expect("text").to_string();
+            text.split_whitespace()
+                .map(|t| t.trim_start_matches('t').parse::<u32>().unwrap_or_else(|e| panic!("{t}: {e}")))
+                .collect()
+        })
+        .collect();
+    assert!(
+        server.terminate().success(),
+        "kiln serve did not exit cleanly"
+    );
+    let stats = std::fs::read_to_string(&stats).unwrap_or_else(|_| "{}".into());
+    (outs, serde_json::from_str(&stats).unwrap_or_default())
+}
+
+/// Decode steps recorded once and replayed as CUDA graphs give the eager steps' tokens, and the
+/// graphs are replayed (the simulated driver counts the launches).
+#[test]
+fn replayed_cuda_graphs_give_the_eager_tokens_on_the_simulated_gpu() {
+    for (file, name) in [
+        ("tiny-models.json", "qwen3"),
+        ("tiny-deepseek-8h.json", "deepseek-v3-8h"),
+    ] {
+        let m = fixture_models(file)
+            .into_iter()
+            .find(|m| m["name"] == name)
+            .expect("fixture");
+        let dir = tiny_model(m["dir"].as_str().expect("dir"), "graphs");
+        let prompt = ids(&m, "prompt_ids");
+        let prompts: Vec<Vec<u32>> = (0..3).map(|k| prompt[2 * k..].to_vec()).collect();
+        let (eager, eager_stats) = served_tokens(&dir, 1, &["--disable-cuda-graph"], &prompts, 12);
+        let (graphs, graph_stats) = served_tokens(&dir, 1, &[], &prompts, 12);
+        assert_eq!(graphs, eager, "{name}: replayed graphs against eager steps");
+        assert_eq!(eager_stats["graph_launches"], 0, "{name}: {eager_stats}");
+        let replays = graph_stats["graph_launches"].as_u64().unwrap_or(0);
+        assert!(
+            replays >= 10,
+            "{name}: only {replays} graph launches ({graph_stats})"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Tensor parallelism over two simulated GPUs: NCCL between the rank threads, then the one-shot
+/// peer-to-peer kernel for every all-reduce, eager and replayed; all four give the same tokens
+/// bit for bit (both sum in rank order in f32), and those follow transformers.
+#[test]
+fn tensor_parallel_on_two_simulated_gpus_follows_transformers() {
+    for (file, name) in [
+        ("tiny-models.json", "qwen3"),
+        ("tiny-deepseek-8h.json", "deepseek-v3-8h"),
+    ] {
+        let m = fixture_models(file)
+            .into_iter()
+            .find(|m| m["name"] == name)
+            .expect("fixture");
+        let dir = tiny_model(m["dir"].as_str().expect("dir"), "tp");
+        let (prompt, want, margins) = (
+            ids(&m, "prompt_ids"),
+            ids(&m, "greedy_ids"),
+            floats(&m, "margins"),
+        );
+        let tp = ["--tensor-parallel-size", "2"];
+        let one_shot = [
+            "--tensor-parallel-size",
+            "2",
+            "--one-shot-allreduce-max-bytes",
+            "1048576",
+        ];
+        let runs = [
+            served_tokens(
+                &dir,
+                2,
+                &[&tp[..], &["--disable-cuda-graph"]].concat(),
+                &[prompt.clone()],
+                want.len(),
+            ),
+            served_tokens(&dir, 2, &tp, &[prompt.clone()], want.len()),
+            served_tokens(
+                &dir,
+                2,
+                &[&one_shot[..], &["--disable-cuda-graph"]].concat(),
+                &[prompt.clone()],
+                want.len(),
+            ),
+            served_tokens(&dir, 2, &one_shot, &[prompt.clone()], want.len()),
+        ];
+        for (i, (tokens, _)) in runs.iter().enumerate().skip(1) {
+            assert_eq!(tokens, &runs[0].0, "{name}: run {i} against NCCL eager");
+        }
+        assert!(
+            runs[1].1["graph_launches"].as_u64().unwrap_or(0) > 0,
+            "{name}: no graph replayed"
+        );
+        let n = follows(name, &runs[0].0[0], &want, &margins, |_| TIE);
+        eprintln!(
+            "{name} at TP = 2: {n} of {} tokens equal transformers'",
+            want.len()
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
