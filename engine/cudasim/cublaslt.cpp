@@ -182,23 +182,32 @@ API int cublasLtMatmul(Handle*, Desc* d, const void* alpha, const void* A, Layou
     const Desc desc = *d;
     const Layout a = *la, b = *lb, c = *lc, dl = *ld;
     sim::enqueue(stream, [=] {
+        // Both operands widened to f32 once, laid out so each dot product reads two contiguous
+        // rows: op(A) row i at a_rows[i * k], op(B) column j at b_cols[j * k]. The sums run in
+        // the order p = 0..k, as the element-wise loop would.
+        std::vector<float> a_rows(m * k), b_cols(n * k);
         for (int bi = 0; bi < batch; bi++) {
             const char* pa = static_cast<const char*>(A) + bi * a.stride * type_size(a.type);
             const char* pb = static_cast<const char*>(B) + bi * b.stride * type_size(b.type);
             const char* pc = static_cast<const char*>(C) + bi * c.stride * type_size(c.type);
             char* pd = static_cast<char*>(D) + bi * dl.stride * type_size(dl.type);
+            for (uint64_t i = 0; i < m; i++)
+                for (uint64_t p = 0; p < k; p++)
+                    a_rows[i * k + p] = load(pa, a.type, desc.trans_a ? int64_t(p + i * a.ld) : int64_t(i + p * a.ld));
             for (uint64_t j = 0; j < n; j++)
+                for (uint64_t p = 0; p < k; p++)
+                    b_cols[j * k + p] = load(pb, b.type, desc.trans_b ? int64_t(j + p * b.ld) : int64_t(p + j * b.ld));
+            for (uint64_t j = 0; j < n; j++) {
+                const float* bj = &b_cols[j * k];
                 for (uint64_t i = 0; i < m; i++) {
+                    const float* ai = &a_rows[i * k];
                     float acc = 0.f;
-                    for (uint64_t p = 0; p < k; p++) {
-                        const int64_t ia = desc.trans_a ? int64_t(p + i * a.ld) : int64_t(i + p * a.ld);
-                        const int64_t ib = desc.trans_b ? int64_t(j + p * b.ld) : int64_t(p + j * b.ld);
-                        acc += load(pa, a.type, ia) * load(pb, b.type, ib);
-                    }
+                    for (uint64_t p = 0; p < k; p++) acc += ai[p] * bj[p];
                     float v = a_scale * acc;
                     if (b_scale != 0.f) v += b_scale * load(pc, c.type, int64_t(i + j * c.ld));
                     store(pd, dl.type, int64_t(i + j * dl.ld), v);
                 }
+            }
         }
     });
     return kOk;

@@ -245,6 +245,13 @@ inline T from_bits(uint64_t b) {
     return v;
 }
 
+// Whether lane `l` of the current warp exists (a block's last warp may be short) and has not
+// returned: only those publish values.
+inline bool lane_present(unsigned l) {
+    const unsigned t = current->warp * 32 + l;
+    return t < block->fibers.size() && !block->fibers[t].done;
+}
+
 // Every lane publishes its value, then reads lane `src(lane)`'s (its own where that lane is
 // absent or out of range), with a warp barrier on each side so no slot is overwritten early.
 template <typename T, typename Src>
@@ -253,8 +260,7 @@ inline T exchange(T v, Src src) {
     w.slot[current->lane] = bits_of(v);
     sync_warp();
     const int s = src((int)current->lane);
-    const unsigned lanes = w.barrier.live;
-    const T r = (s >= 0 && s < 32 && (unsigned)s < lanes) ? from_bits<T>(w.slot[s]) : v;
+    const T r = (s >= 0 && s < 32 && lane_present(s)) ? from_bits<T>(w.slot[s]) : v;
     sync_warp();
     return r;
 }
@@ -270,6 +276,40 @@ inline float f16_to_f32(unsigned short h) {
     const uint32_t bits = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
     std::memcpy(&f, &bits, 4);
     return f;
+}
+
+// warp_reduce's butterfly (v = op(v, shfl_xor(v, o)) for o = 16, 8, 4, 2, 1) for the whole warp
+// at one barrier: every lane publishes its value, the last to arrive replays the 32 lanes'
+// rounds in the order a GPU's lanes do them and leaves each lane its result in its slot, so the
+// results are the butterfly's, bit for bit. An absent source lane leaves a lane its own value,
+// as `exchange` does.
+template <typename Op>
+inline float warp_butterfly(float v, Op op) {
+    auto& w = block->warps[current->warp];
+    w.slot[current->lane] = bits_of(v);
+    Barrier& b = w.barrier;
+    if (++b.arrived == b.live) {
+        bool present[32];
+        float vals[32], next[32];
+        for (unsigned l = 0; l < 32; l++) {
+            present[l] = lane_present(l);
+            vals[l] = present[l] ? from_bits<float>(w.slot[l]) : 0.0f;
+        }
+        for (unsigned o = 16; o > 0; o >>= 1) {
+            for (unsigned l = 0; l < 32; l++) next[l] = op(vals[l], present[l ^ o] ? vals[l ^ o] : vals[l]);
+            for (unsigned l = 0; l < 32; l++) vals[l] = next[l];
+        }
+        for (unsigned l = 0; l < 32; l++) w.slot[l] = bits_of(vals[l]);
+        release(b);
+    } else {
+        current->wait = Wait::Warp;
+        current->gen = b.gen;
+        yield_to_scheduler();
+        current->wait = Wait::None;
+    }
+    const float r = from_bits<float>(w.slot[current->lane]);
+    sync_warp();  // no lane publishes again before every lane has read its result
+    return r;
 }
 
 }  // namespace kilnsim

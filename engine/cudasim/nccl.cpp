@@ -201,6 +201,12 @@ API int ncclAllReduce(const void* send, void* recv, size_t n, int type, int op, 
     if (!c || op != 0 || !supported(type)) return kInvalidArgument;  // sums only
     const int rank = c->rank;
     std::shared_ptr<Group> group = c->group;
+    if (group->world == 1) {  // a sum over one rank is its input
+        sim::enqueue(s, [=] {
+            if (recv != send) std::memmove(recv, send, n * size_of(type));
+        });
+        return kSuccess;
+    }
     sim::enqueue(s, [=] {
         Comm self{group, rank, 0, false};
         std::vector<float> sum(n, 0.f);

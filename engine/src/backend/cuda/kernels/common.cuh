@@ -30,8 +30,14 @@ struct MaxOp {
 // Reduces over the warp with `op` (butterfly: every lane gets the result).
 template <typename Op>
 __device__ __forceinline__ float warp_reduce(float v, Op op) {
+#ifdef KILN_CUDASIM
+    // cudasim (CUDA on the CPU): the same butterfly, bit for bit, over one exchange of the
+    // warp's values instead of five (each exchange there is a round of fiber switches).
+    return kilnsim::warp_butterfly(v, op);
+#else
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp()); }
