@@ -70,6 +70,8 @@
             inherit src;
             pname = "kiln";
             inherit ((craneLib.crateNameFromCargoToml { cargoToml = ./engine/Cargo.toml; })) version;
+            # The CPU package: the CUDA backend (a default feature) is left out; packages.cuda has it.
+            cargoExtraArgs = "--locked --no-default-features";
             strictDeps = true;
             cargoVendorDir = craneLib.vendorCargoDeps {
               inherit src;

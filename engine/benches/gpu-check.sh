@@ -5,8 +5,8 @@
 #
 #   KILN_BIN=path/to/kiln  bash engine/benches/gpu-check.sh
 #
-# KILN_BIN: a `--features cuda` release build made elsewhere and carried, stripped to fit the
-# carry limit:  cargo build --release --features cuda && strip -o carry/kiln target/release/kiln
+# KILN_BIN: a release build (the CUDA backend is in the default build) made elsewhere and carried, stripped to fit the
+# carry limit:  cargo build --release && strip -o carry/kiln target/release/kiln
 # Without it the script builds one (needs cargo and the crates cached). Every model it uses is
 # generated here. Results: tables on stdout as it goes, JSON under $OUT (default ./gpu-check-out).
 #
@@ -55,7 +55,7 @@ if [ -n "$nccl" ]; then mkdir -p "$OUT/lib" && ln -sf "$nccl" "$OUT/lib/libnccl.
 BIN=${KILN_BIN:-}
 if [ -z "$BIN" ]; then
   step "building kiln (no KILN_BIN given)"
-  cargo build --release --features cuda --offline || exit 1
+  cargo build --release --offline || exit 1
   BIN=target/release/kiln
 fi
 BIN=$(realpath "$BIN")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds cudasim (CUDA on the CPU, see README.md "CUDA on the CPU") into OUT_DIR: one library
 # that answers for the CUDA driver, NVRTC, cuBLAS(Lt) and NCCL, under each name cudarc loads.
-# Put OUT_DIR first on LD_LIBRARY_PATH and a `--features cuda` kiln runs its CUDA backend on the CPU.
+# Put OUT_DIR first on LD_LIBRARY_PATH and kiln (whose default build carries the CUDA backend) runs
+# `--device cuda` on the CPU.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: build.sh OUT_DIR}

@@ -420,18 +420,24 @@ fn tensor_parallel_on_two_simulated_gpus_follows_transformers() {
                 &dir,
                 2,
                 &[&tp[..], &["--disable-cuda-graph"]].concat(),
-                &[prompt.clone()],
+                std::slice::from_ref(&prompt),
                 want.len(),
             ),
-            served_tokens(&dir, 2, &tp, &[prompt.clone()], want.len()),
+            served_tokens(&dir, 2, &tp, std::slice::from_ref(&prompt), want.len()),
             served_tokens(
                 &dir,
                 2,
                 &[&one_shot[..], &["--disable-cuda-graph"]].concat(),
-                &[prompt.clone()],
+                std::slice::from_ref(&prompt),
                 want.len(),
             ),
-            served_tokens(&dir, 2, &one_shot, &[prompt.clone()], want.len()),
+            served_tokens(
+                &dir,
+                2,
+                &one_shot,
+                std::slice::from_ref(&prompt),
+                want.len(),
+            ),
         ];
         for (i, (tokens, _)) in runs.iter().enumerate().skip(1) {
             assert_eq!(tokens, &runs[0].0, "{name}: run {i} against NCCL eager");
