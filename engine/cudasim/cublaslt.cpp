@@ -166,7 +166,8 @@ API int cublasLtMatmulAlgoGetHeuristic(Handle*, Desc*, Layout*, Layout*, Layout*
 API int cublasLtMatmul(Handle*, Desc* d, const void* alpha, const void* A, Layout* la, const void* B,
                        Layout* lb, const void* beta, const void* C, Layout* lc, void* D, Layout* ld,
                        const void*, void*, size_t, sim::Stream* stream) {
-    if (d->scale != kF32 || d->epilogue != 1 || d->bias || d->trans_c) return kNotSupported;
+    if (d->scale != kF32 || d->epilogue != 1 || d->bias || d->trans_c || ld->type == kF16 || lc->type == kF16)
+        return kNotSupported;
     float a_scale, b_scale;
     std::memcpy(&a_scale, alpha, 4);
     std::memcpy(&b_scale, beta, 4);

@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -33,11 +34,13 @@ typedef sim::Graph* CUgraphExec;
 
 struct CUevent_st {
     std::chrono::steady_clock::time_point at{};
+    bool captured = false;  // last recorded into a capture: the host may not wait on it
 };
 typedef CUevent_st* CUevent;
 
 struct Module {
     void* dl = nullptr;
+    int device = 0;
 };
 typedef Module* CUmodule;
 
@@ -73,7 +76,18 @@ int device_count() {
 
 static Context contexts[16];
 static thread_local Context* current = nullptr;
-static thread_local int capturing_streams = 0;
+// The streams this thread is capturing on (thread-local capture mode: its synchronous calls break them).
+static thread_local std::vector<Stream*>* capturing_here = nullptr;
+
+static std::vector<Stream*>& captures_here() {
+    if (!capturing_here) capturing_here = new std::vector<Stream*>;
+    return *capturing_here;
+}
+
+static const void* this_thread() {
+    static thread_local char marker;
+    return &marker;
+}
 
 Context* primary(int device) {
     contexts[device].device = device;
@@ -95,28 +109,49 @@ bool breaks_capture(Stream* s) {
         s->capture_broken = true;
         return true;
     }
-    return capturing_streams > 0;
+    auto& here = captures_here();
+    for (Stream* c : here) c->capture_broken = true;
+    return !here.empty();
 }
+
+bool capturing(const Stream* s) { return s && s->capture; }
 
 }  // namespace sim
 
 namespace {
 
 constexpr size_t kPage = 4096;
-constexpr size_t kTotalMemory = 64ull << 30;
+
+// Each simulated GPU's memory: KILN_CUDASIM_MEMORY_GIB (default 16), so kiln's own sizing
+// (--mem-fraction-static) sees a device of a plausible size and an allocation past it fails.
+size_t total_memory() {
+    static size_t bytes = [] {
+        const char* v = std::getenv("KILN_CUDASIM_MEMORY_GIB");
+        const long gib = v ? std::atol(v) : 16;
+        return size_t(gib > 0 ? gib : 16) << 30;
+    }();
+    return bytes;
+}
 
 struct Mapping {
     void* base;
     size_t length;
+    size_t counted;  // bytes charged to the device
+    int device;
 };
 // Never destroyed: kiln's threads may still free buffers while the process exits.
 std::mutex& memory_lock = *new std::mutex;
 std::unordered_map<CUdeviceptr, Mapping>& mappings = *new std::unordered_map<CUdeviceptr, Mapping>;
-size_t allocated = 0;
+size_t allocated[16] = {};
 
-// A buffer whose rounded end touches an unmapped guard page.
+// A buffer whose rounded end touches an unmapped guard page, on the current context's device.
 CUdeviceptr map_buffer(size_t bytes) {
     const size_t rounded = (bytes + 255) & ~size_t(255);
+    const int device = sim::current_context() ? sim::current_context()->device : 0;
+    {
+        std::lock_guard<std::mutex> g(memory_lock);
+        if (allocated[device] + rounded > total_memory()) return 0;
+    }
     const size_t pages = (rounded + kPage - 1) / kPage + 1;
     void* base = mmap(nullptr, pages * kPage, PROT_READ | PROT_WRITE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -127,8 +162,8 @@ CUdeviceptr map_buffer(size_t bytes) {
     std::memset(start, 0xff, rounded);
     const auto ptr = reinterpret_cast<CUdeviceptr>(start);
     std::lock_guard<std::mutex> g(memory_lock);
-    mappings[ptr] = {base, pages * kPage};
-    allocated += rounded;
+    mappings[ptr] = {base, pages * kPage, rounded, device};
+    allocated[device] += rounded;
     return ptr;
 }
 
@@ -137,7 +172,7 @@ Result unmap_buffer(CUdeviceptr p) {
     std::lock_guard<std::mutex> g(memory_lock);
     auto it = mappings.find(p);
     if (it == mappings.end()) return sim::kInvalidValue;
-    allocated -= it->second.length - kPage;
+    allocated[it->second.device] -= it->second.counted;
     munmap(it->second.base, it->second.length);
     mappings.erase(it);
     return sim::kSuccess;
@@ -172,6 +207,14 @@ std::atomic<bool> initialised{false};
 // What the process ran, for tests that must know a path was taken (a graph replayed, not only
 // recorded): rewritten after every capture and graph launch when KILN_CUDASIM_STATS names a file.
 std::atomic<unsigned long> kernel_launches{0}, captures{0}, graph_launches{0};
+std::mutex& per_kernel_lock = *new std::mutex;
+std::map<std::string, unsigned long>& per_kernel = *new std::map<std::string, unsigned long>;
+
+// Counts a kernel's launch (run now or replayed from a graph).
+void count_kernel(const std::string& name) {
+    std::lock_guard<std::mutex> g(per_kernel_lock);
+    per_kernel[name]++;
+}
 
 void write_stats() {
     static const char* path = std::getenv("KILN_CUDASIM_STATS");
@@ -180,8 +223,15 @@ void write_stats() {
     std::lock_guard<std::mutex> g(lock);
     const std::string tmp = std::string(path) + ".tmp";
     if (FILE* f = std::fopen(tmp.c_str(), "w")) {
-        std::fprintf(f, "{\"kernel_launches\": %lu, \"captures\": %lu, \"graph_launches\": %lu}\n",
+        std::fprintf(f, "{\"kernel_launches\": %lu, \"captures\": %lu, \"graph_launches\": %lu, \"kernels\": {",
                      kernel_launches.load(), captures.load(), graph_launches.load());
+        std::lock_guard<std::mutex> k(per_kernel_lock);
+        const char* sep = "";
+        for (const auto& [name, n] : per_kernel) {
+            std::fprintf(f, "%s\"%s\": %lu", sep, name.c_str(), n);
+            sep = ", ";
+        }
+        std::fprintf(f, "}}\n");
         std::fclose(f);
         std::rename(tmp.c_str(), path);
     }
@@ -195,6 +245,8 @@ void write_stats() {
 
 API Result cuInit(unsigned) {
     install_fault_report();
+    static std::once_flag at_exit;
+    std::call_once(at_exit, [] { std::atexit(write_stats); });
     initialised = true;
     write_stats();
     return sim::kSuccess;
@@ -230,7 +282,7 @@ API Result cuDeviceGetUuid_v2(unsigned char* uuid, CUdevice d) {
 }
 
 API Result cuDeviceTotalMem_v2(size_t* bytes, CUdevice) {
-    *bytes = kTotalMemory;
+    *bytes = total_memory();
     return sim::kSuccess;
 }
 
@@ -307,22 +359,38 @@ API Result cuCtxEnablePeerAccess(CUcontext peer, unsigned) {
 }
 
 API Result cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    if (!sim::current) return sim::kInvalidContext;
     std::lock_guard<std::mutex> g(memory_lock);
-    *total = kTotalMemory;
-    *free_bytes = kTotalMemory - (allocated < kTotalMemory ? allocated : kTotalMemory);
+    const size_t used = allocated[sim::current->device];
+    *total = total_memory();
+    *free_bytes = total_memory() - (used < total_memory() ? used : total_memory());
     return sim::kSuccess;
 }
 
+// cudaMalloc and cudaFree may not run inside a thread-local capture: the capture breaks.
 API Result cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
     NEED_INIT;
+    if (!sim::current) return sim::kInvalidContext;
+    if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
     *p = map_buffer(bytes);
     return *p ? sim::kSuccess : sim::kOutOfMemory;
 }
 
-API Result cuMemFree_v2(CUdeviceptr p) { return unmap_buffer(p); }
+API Result cuMemFree_v2(CUdeviceptr p) {
+    if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    return unmap_buffer(p);
+}
 
-API Result cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc_v2(p, bytes); }
-API Result cuMemFreeAsync(CUdeviceptr p, CUstream) { return unmap_buffer(p); }
+// Stream-ordered allocation is never used (the device reports no memory pools); refused while
+// capturing, where the driver would record it as a node.
+API Result cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream s) {
+    if (sim::capturing(s)) return sim::kCaptureUnsupported;
+    return cuMemAlloc_v2(p, bytes);
+}
+API Result cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    if (sim::capturing(s)) return sim::kCaptureUnsupported;
+    return cuMemFree_v2(p);
+}
 
 API Result cuMemAllocHost_v2(void** p, size_t bytes) {
     *p = std::malloc(bytes ? bytes : 1);
@@ -394,13 +462,15 @@ API Result cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
 
 API Result cuStreamCreate(CUstream* s, unsigned) {
     NEED_INIT;
-    *s = new sim::Stream{sim::current ? sim::current->device : 0};
+    if (!sim::current) return sim::kInvalidContext;
+    *s = new sim::Stream{sim::current->device};
     return sim::kSuccess;
 }
 API Result cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) {
     return cuStreamCreate(s, flags);
 }
 API Result cuStreamDestroy_v2(CUstream s) {
+    if (s && s->capture) sim::fatal("a stream was destroyed in the middle of a graph capture");
     delete s;
     return sim::kSuccess;
 }
@@ -419,15 +489,18 @@ API Result cuStreamBeginCapture_v2(CUstream s, int) {
     if (s->capture) return sim::kInvalidValue;
     s->capture = new sim::Graph;
     s->capture_broken = false;
-    sim::capturing_streams++;
+    s->capturing_thread = sim::this_thread();
+    sim::captures_here().push_back(s);
     return sim::kSuccess;
 }
 
 API Result cuStreamEndCapture(CUstream s, CUgraph* g) {
     if (!s || !s->capture) return sim::kInvalidValue;
+    if (s->capturing_thread != sim::this_thread()) return sim::kCaptureWrongThread;
     sim::Graph* graph = s->capture;
     s->capture = nullptr;
-    sim::capturing_streams--;
+    auto& here = sim::captures_here();
+    here.erase(std::remove(here.begin(), here.end(), s), here.end());
     if (s->capture_broken) {
         delete graph;
         *g = nullptr;
@@ -481,15 +554,17 @@ API Result cuEventDestroy_v2(CUevent e) {
     return sim::kSuccess;
 }
 API Result cuEventRecord(CUevent e, CUstream s) {
+    e->captured = sim::capturing(s);
     sim::enqueue(s, [=] { e->at = std::chrono::steady_clock::now(); });
     return sim::kSuccess;
 }
 API Result cuEventRecordWithFlags(CUevent e, CUstream s, unsigned) { return cuEventRecord(e, s); }
-API Result cuEventSynchronize(CUevent) {
+API Result cuEventSynchronize(CUevent e) {
+    if (e->captured) return sim::kCapturedEvent;
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
     return sim::kSuccess;
 }
-API Result cuEventQuery(CUevent) { return sim::kSuccess; }
+API Result cuEventQuery(CUevent e) { return e->captured ? sim::kCapturedEvent : sim::kSuccess; }
 API Result cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) {
     *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
     return sim::kSuccess;
@@ -502,6 +577,7 @@ API Result cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
 static const char kModuleMark[] = "//cudasim-module:";
 
 API Result cuModuleLoadData(CUmodule* m, const void* image) {
+    if (!sim::current) return sim::kInvalidContext;
     const char* text = static_cast<const char*>(image);
     if (std::strncmp(text, kModuleMark, sizeof kModuleMark - 1) != 0) return sim::kInvalidImage;
     std::string path(text + sizeof kModuleMark - 1);
@@ -511,7 +587,7 @@ API Result cuModuleLoadData(CUmodule* m, const void* image) {
         std::fprintf(stderr, "cudasim: loading %s: %s\n", path.c_str(), dlerror());
         return sim::kInvalidImage;
     }
-    *m = new Module{dl};
+    *m = new Module{dl, sim::current->device};
     return sim::kSuccess;
 }
 
@@ -555,11 +631,19 @@ API Result cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, u
                           unsigned by, unsigned bz, unsigned smem, CUstream s, void** params,
                           void** extra) {
     if (!f || extra) return sim::kInvalidValue;
+    // The function's module and the stream must belong to the current context's device.
+    if (!sim::current) return sim::kInvalidContext;
+    if (f->module->device != sim::current->device || (s && s->device != sim::current->device)) {
+        std::fprintf(stderr, "cudasim: %s launched on device %d with a %s of device %d\n", f->name.c_str(),
+                     sim::current->device, f->module->device != sim::current->device ? "module" : "stream",
+                     f->module->device != sim::current->device ? f->module->device : s->device);
+        return sim::kInvalidHandle;
+    }
     const unsigned long long threads = (unsigned long long)bx * by * bz;
     if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || gy > 65535 || gz > 65535 ||
         gx > 0x7fffffffu)
         return sim::kInvalidValue;
-    if (threads > 1024) return sim::kInvalidValue;
+    if (threads > 1024 || by > 1024 || bz > 64) return sim::kInvalidValue;
     if ((int)smem > f->max_dynamic_smem) {
         std::fprintf(stderr, "cudasim: %s launched with %u bytes of dynamic shared memory, over its %d\n",
                      f->name.c_str(), smem, f->max_dynamic_smem);
@@ -574,6 +658,7 @@ API Result cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, u
         sim::running_kernel = fn->name.c_str();
         fn->run(bound.get(), gx, gy, gz, bx, by, bz, smem, fn->name.c_str());
         sim::running_kernel = outer;
+        count_kernel(fn->name);
     });
     return sim::kSuccess;
 }

@@ -133,17 +133,24 @@ inline void arrive(Barrier& b, Wait kind) {
 inline void sync_threads() { arrive(block->barrier, Wait::Block); }
 inline void sync_warp() { arrive(block->warps[current->warp].barrier, Wait::Warp); }
 
-// A thread's end: it leaves every barrier, which may release the ones waiting without it.
+// A thread's end: it leaves the block's barrier, which may release the threads waiting without
+// it (a GPU counts exited threads out of __syncthreads). Its warp's lanes waiting at a shuffle
+// would wait for it forever, or read what it never wrote: undefined on a GPU, an error here.
 inline void leave(Barrier& b) {
     b.live--;
     if (b.arrived > 0 && b.arrived == b.live) release(b);
+}
+
+inline void leave_warp(Barrier& b) {
+    if (b.arrived > 0) fail("a thread returned while lanes of its warp wait at a shuffle or __syncwarp");
+    b.live--;
 }
 
 extern "C" __attribute__((used)) void kilnsim_fiber_entry() {
     (*block->body)();
     current->done = true;
     leave(block->barrier);
-    leave(block->warps[current->warp].barrier);
+    leave_warp(block->warps[current->warp].barrier);
     yield_to_scheduler();
     fail("a finished thread was resumed");
 }
@@ -156,8 +163,10 @@ inline std::vector<void*>& stacks() {
 inline void* stack_for(size_t i) {
     auto& s = stacks();
     while (s.size() <= i) {
-        void* p = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        void* p = mmap(nullptr, kStack, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
         if (p == MAP_FAILED) fail("no memory for a thread's stack");
+        mprotect(p, 4096, PROT_NONE);  // an overflow faults instead of writing the next stack
         s.push_back(p);
     }
     return s[i];
@@ -320,23 +329,33 @@ inline float warp_butterfly(float v, Op op) {
 #define gridDim (kilnsim::grid_dim)
 #define warpSize 32
 
+// Only full-warp shuffles are simulated: a partial mask is refused rather than guessed at.
+inline void kilnsim_full_mask(unsigned mask, int width) {
+    if (mask != 0xffffffffu || width != 32) kilnsim::fail("a shuffle over part of a warp (not simulated)");
+}
 inline void __syncthreads() { kilnsim::sync_threads(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { kilnsim::sync_warp(); }
+inline void __syncwarp(unsigned m = 0xffffffffu) {
+    kilnsim_full_mask(m, 32);
+    kilnsim::sync_warp();
+}
 template <typename T>
-inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
-    (void)width;
+inline T __shfl_xor_sync(unsigned m, T v, int mask, int width = 32) {
+    kilnsim_full_mask(m, width);
     return kilnsim::exchange(v, [=](int lane) { return lane ^ mask; });
 }
 template <typename T>
-inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+inline T __shfl_down_sync(unsigned m, T v, unsigned delta, int width = 32) {
+    kilnsim_full_mask(m, width);
     return kilnsim::exchange(v, [=](int lane) { return (lane % width) + (int)delta < width ? lane + (int)delta : lane; });
 }
 template <typename T>
-inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+inline T __shfl_up_sync(unsigned m, T v, unsigned delta, int width = 32) {
+    kilnsim_full_mask(m, width);
     return kilnsim::exchange(v, [=](int lane) { return (lane % width) >= (int)delta ? lane - (int)delta : lane; });
 }
 template <typename T>
-inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
+inline T __shfl_sync(unsigned m, T v, int src, int width = 32) {
+    kilnsim_full_mask(m, width);
     return kilnsim::exchange(v, [=](int lane) { return (lane / width) * width + (src % width); });
 }
 

@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <string>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +33,7 @@ struct Group {
     int arrived = 0;
     bool aborted = false;
     std::vector<const void*> send;
+    std::vector<std::string> what;  // each rank's collective: kind, count and type must agree
 };
 
 struct Comm {
@@ -44,8 +47,15 @@ std::mutex& registry_lock = *new std::mutex;
 auto& groups = *new std::map<std::string, std::weak_ptr<Group>>;
 std::atomic<unsigned long> next_id{1};
 
-// Waits until all ranks have arrived (false: the group was aborted meanwhile).
+// Waits until all ranks have arrived (false: the group was aborted meanwhile). A rank that
+// never comes would leave a GPU's collective hanging until kiln's watchdog aborts it; the
+// simulation runs the collective on the caller's thread, where that watchdog cannot reach it, so
+// it gives up after KILN_CUDASIM_NCCL_WAIT_S seconds (default 600) and ends the process saying so.
 bool barrier(Group& g) {
+    static const long wait_s = [] {
+        const char* v = std::getenv("KILN_CUDASIM_NCCL_WAIT_S");
+        return v && std::atol(v) > 0 ? std::atol(v) : 600L;
+    }();
     std::unique_lock<std::mutex> l(g.m);
     const unsigned long gen = g.gen;
     if (++g.arrived == g.world) {
@@ -54,8 +64,14 @@ bool barrier(Group& g) {
         g.cv.notify_all();
         return !g.aborted;
     }
-    g.cv.wait(l, [&] { return g.gen != gen || g.aborted; });
+    if (!g.cv.wait_for(l, std::chrono::seconds(wait_s), [&] { return g.gen != gen || g.aborted; }))
+        sim::fatal("NCCL: a rank never arrived at a collective");
     return !g.aborted;
+}
+
+bool aborted(Group& g) {
+    std::lock_guard<std::mutex> l(g.m);
+    return g.aborted;
 }
 
 float value(const void* p, int type, size_t i) {
@@ -89,15 +105,21 @@ size_t size_of(int type) { return type == kF32 || type == kI32 ? 4 : 2; }
 
 bool supported(int type) { return type == kF32 || type == kI32 || type == kBF16; }
 
-// Every rank publishes its send buffer, waits for all, runs `body`, then waits for all again.
+// Every rank publishes its send buffer and what it calls, waits for all, runs `body`, then waits
+// for all again. Ranks calling different collectives, counts or types end the process: NCCL
+// would read past a buffer or hang.
 template <typename Body>
-void meet(Comm* c, const void* send, Body body) {
+void meet(Comm* c, const void* send, const std::string& what, Body body) {
     Group& g = *c->group;
     {
         std::lock_guard<std::mutex> l(g.m);
         g.send[c->rank] = send;
+        g.what[c->rank] = what;
     }
     if (!barrier(g)) return;
+    for (int r = 1; r < g.world; r++)
+        if (g.what[r] != g.what[0])
+            sim::fatal("NCCL: rank 0 called " + g.what[0] + " while rank " + std::to_string(r) + " called " + g.what[r]);
     body(g);
     barrier(g);
 }
@@ -145,6 +167,7 @@ API int ncclCommInitRankConfig(Comm** comm, int world, UniqueId id, int rank, vo
             g = std::make_shared<Group>();
             g->world = world;
             g->send.assign(world, nullptr);
+            g->what.assign(world, "");
             groups[key] = g;
         }
     }
@@ -210,12 +233,13 @@ API int ncclAllReduce(const void* send, void* recv, size_t n, int type, int op, 
     sim::enqueue(s, [=] {
         Comm self{group, rank, 0, false};
         std::vector<float> sum(n, 0.f);
-        meet(&self, send, [&](Group& g) {
+        const std::string what = "ncclAllReduce(" + std::to_string(n) + " of type " + std::to_string(type) + ")";
+        meet(&self, send, what, [&](Group& g) {
             for (int r = 0; r < g.world; r++)
                 for (size_t i = 0; i < n; i++) sum[i] += value(g.send[r], type, i);
         });
         // Written after the second barrier: every peer has read this rank's (maybe aliased) input.
-        if (!group->aborted)
+        if (!aborted(*group))
             for (size_t i = 0; i < n; i++) put(recv, type, i, sum[i]);
     });
     return kSuccess;
@@ -228,12 +252,13 @@ API int ncclAllGather(const void* send, void* recv, size_t n, int type, Comm* c,
     sim::enqueue(s, [=] {
         Comm self{group, rank, 0, false};
         std::vector<char> all;
-        meet(&self, send, [&](Group& g) {
+        const std::string what = "ncclAllGather(" + std::to_string(n) + " of type " + std::to_string(type) + ")";
+        meet(&self, send, what, [&](Group& g) {
             const size_t bytes = n * size_of(type);
             all.resize(bytes * g.world);
             for (int r = 0; r < g.world; r++) std::memcpy(all.data() + r * bytes, g.send[r], bytes);
         });
-        if (!group->aborted) std::memcpy(recv, all.data(), all.size());
+        if (!aborted(*group)) std::memcpy(recv, all.data(), all.size());
     });
     return kSuccess;
 }

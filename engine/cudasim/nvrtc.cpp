@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -122,21 +123,24 @@ bool compile(Program& p) {
     const std::string full = std::string(kPrelude) + "\n" + body + "\n" + wrap;
     const std::string dir = cache_dir();
     mkdir(dir.c_str(), 0700);
-    const std::string key = std::to_string(std::hash<std::string>{}(full));
+    const char* cxx = std::getenv("CXX");
+    const std::string compiler = std::string(cxx && *cxx ? cxx : "c++") +
+                                 " -std=c++17 -O2 -g0 -fPIC -shared -w -fno-strict-aliasing";
+    const std::string key = std::to_string(std::hash<std::string>{}(compiler + "\n" + full));
     const std::string so = dir + "/" + key + ".so";
     struct stat st {};
     if (stat(so.c_str(), &st) == 0) {
         p.image = "//cudasim-module:" + so + "\n";
         return true;
     }
-    const std::string src = dir + "/" + key + "." + std::to_string(getpid()) + ".cpp";
-    const std::string tmp_so = so + "." + std::to_string(getpid());
+    // Ranks open their GPUs at once: each compile writes files of its own before the rename.
+    static std::atomic<unsigned long> compiles{0};
+    const std::string unique = std::to_string(getpid()) + "-" + std::to_string(compiles++);
+    const std::string src = dir + "/" + key + "." + unique + ".cpp";
+    const std::string tmp_so = so + "." + unique;
     const std::string errors = src + ".log";
     std::ofstream(src) << full;
-    const char* cxx = std::getenv("CXX");
-    const std::string cmd = std::string(cxx && *cxx ? cxx : "c++") +
-                            " -std=c++17 -O2 -g0 -fPIC -shared -w -o '" + tmp_so + "' '" + src +
-                            "' 2> '" + errors + "'";
+    const std::string cmd = compiler + " -o '" + tmp_so + "' '" + src + "' 2> '" + errors + "'";
     const int rc = std::system(cmd.c_str());
     std::ifstream in(errors);
     std::stringstream log;
@@ -157,7 +161,7 @@ bool compile(Program& p) {
 
 #define API extern "C" __attribute__((visibility("default")))
 
-// nvrtcResult: 0 success, 3 invalid input, 5 invalid program, 6 compilation failed.
+// nvrtcResult: 0 success, 3 invalid input, 4 invalid program, 6 compilation failed.
 API int nvrtcVersion(int* major, int* minor) {
     *major = 13;
     *minor = 0;
@@ -172,14 +176,14 @@ API int nvrtcCreateProgram(Program** prog, const char* src, const char* name, in
 }
 
 API int nvrtcDestroyProgram(Program** prog) {
-    if (!prog) return 5;
+    if (!prog) return 4;
     delete *prog;
     *prog = nullptr;
     return 0;
 }
 
 API int nvrtcCompileProgram(Program* prog, int n, const char* const* options) {
-    if (!prog) return 5;
+    if (!prog) return 4;
     for (int i = 0; i < n; i++) {
         // What NVRTC would refuse, so an option kiln passes is one the real NVRTC takes.
         const std::string o = options[i];
@@ -194,25 +198,25 @@ API int nvrtcCompileProgram(Program* prog, int n, const char* const* options) {
 }
 
 API int nvrtcGetPTXSize(Program* prog, size_t* size) {
-    if (!prog) return 5;
+    if (!prog) return 4;
     *size = prog->image.size() + 1;
     return 0;
 }
 
 API int nvrtcGetPTX(Program* prog, char* ptx) {
-    if (!prog) return 5;
+    if (!prog) return 4;
     std::memcpy(ptx, prog->image.c_str(), prog->image.size() + 1);
     return 0;
 }
 
 API int nvrtcGetProgramLogSize(Program* prog, size_t* size) {
-    if (!prog) return 5;
+    if (!prog) return 4;
     *size = prog->log.size() + 1;
     return 0;
 }
 
 API int nvrtcGetProgramLog(Program* prog, char* log) {
-    if (!prog) return 5;
+    if (!prog) return 4;
     std::memcpy(log, prog->log.c_str(), prog->log.size() + 1);
     return 0;
 }

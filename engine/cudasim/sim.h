@@ -32,6 +32,8 @@ enum Result : int {
     kPeerAccessAlreadyEnabled = 704,
     kCaptureUnsupported = 900,
     kCaptureInvalidated = 901,
+    kCapturedEvent = 907,
+    kCaptureWrongThread = 908,
     kNotSupported = 801,
     kUnknown = 999,
 };
@@ -46,6 +48,7 @@ struct Stream {
     int device = 0;
     Graph* capture = nullptr;  // recording into this graph
     bool capture_broken = false;
+    const void* capturing_thread = nullptr;
 };
 
 struct Context {
@@ -60,8 +63,10 @@ Context* current_context();
 // Runs `w` on `s` now, or records it when `s` is capturing.
 void enqueue(Stream* s, Work w);
 // A host-synchronous call on `s` (or, for s == nullptr, on the thread): a capture on this thread
-// cannot contain one, so it breaks the capture and the call fails, as the driver's does.
+// cannot contain one, so it breaks the capture(s) and the call fails, as the driver's does.
 bool breaks_capture(Stream* s);
+// Whether `s` is capturing (its work is recorded, not run).
+bool capturing(const Stream* s);
 
 // The kernel a thread is running, for the out-of-bounds report.
 extern thread_local const char* running_kernel;

@@ -406,10 +406,12 @@ impl CudaBackend {
     /// Opens CUDA device `ordinal`; the error names what is missing (driver, device, NVRTC,
     /// cuBLASLt) or what failed.
     pub fn open(ordinal: usize) -> Result<CudaBackend> {
-        let gpu = Gpu::open(ordinal).map_err(|e| Error::Device(format!("--device cuda: {e}")))?;
-        let blas = gpu
-            .blas()
-            .map_err(|e| Error::Device(format!("--device cuda: {e}")))?;
+        let gpu = Gpu::open(ordinal).map_err(|e| {
+            Error::Device(format!("--device cuda: {e}; --device cpu runs on the CPU"))
+        })?;
+        let blas = gpu.blas().map_err(|e| {
+            Error::Device(format!("--device cuda: {e}; --device cpu runs on the CPU"))
+        })?;
         let staging = Staging::new(&gpu.stream, STAGING_BYTES)?;
         Ok(CudaBackend {
             gpu,

@@ -268,6 +268,17 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
     for (name, values) in attention(b, &mut rng, kimi)? {
         out.push((format!("{name} (latent, 16 heads of 64 + 512)"), values));
     }
+    // The tiny DeepSeek-V3 / Kimi-K2 test models' row (8 + 32), at both of their head counts.
+    for heads in [4, 8] {
+        let tiny = Attend::Latent {
+            heads,
+            rope: 8,
+            latent: 32,
+        };
+        for (name, values) in attention(b, &mut rng, tiny)? {
+            out.push((format!("{name} (latent, {heads} heads of 8 + 32)"), values));
+        }
+    }
     Ok(out)
 }
 
