@@ -4,7 +4,7 @@
 # the ignored test `every_kernel_compiles_for_hopper_and_blackwell`, which prints each kernel's
 # registers, shared memory and spills. The CUDA backend's host-side unit tests (step metadata,
 # splits, shared memory, the op-parity harness on the CPU, the probe, the device refusals) run
-# in the same test binary (the default build carries the CUDA backend).
+# with the README's test command (the default build carries the CUDA backend).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${KILN_CI_CACHE:-$HOME/.cache/kiln-ci}
@@ -24,4 +24,3 @@ cargo test --release --lib -- --ignored --exact --nocapture \
 grep -q 'test result: ok. 1 passed' "$LOG" || { echo "the kernel compile check did not run and pass"; exit 1; }
 grep -E -q '^[1-9][0-9]* kernel sources assembled$' "$LOG" \
   || { echo "the kernel compile check assembled no kernel"; exit 1; }
-cargo test --release --lib -- backend::cuda runner::

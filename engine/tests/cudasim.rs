@@ -357,24 +357,50 @@ fn served_tokens(
     (outs, serde_json::from_str(&stats).unwrap_or_default())
 }
 
-/// Decode steps recorded once and replayed as CUDA graphs give the eager steps' tokens, and the
-/// graphs are replayed (the simulated driver counts the launches).
-#[test]
-fn replayed_cuda_graphs_give_the_eager_tokens_on_the_simulated_gpu() {
-    for (file, name) in [
+/// A served test's model: a fixture's copy on disk, its prompt and transformers' greedy tokens.
+struct Served {
+    name: &'static str,
+    dir: PathBuf,
+    prompt: Vec<u32>,
+    want: Vec<u32>,
+    margins: Vec<f64>,
+}
+
+/// The served tests' models: a dense one (Qwen3) and MLA + MoE (DeepSeek-V3, 8 heads).
+fn served_models(tag: &str) -> Vec<Served> {
+    [
         ("tiny-models.json", "qwen3"),
         ("tiny-deepseek-8h.json", "deepseek-v3-8h"),
-    ] {
+    ]
+    .into_iter()
+    .map(|(file, name)| {
         let m = fixture_models(file)
             .into_iter()
             .find(|m| m["name"] == name)
             .expect("fixture");
-        let dir = tiny_model(m["dir"].as_str().expect("dir"), "graphs");
-        let (prompt, want, margins) = (
-            ids(&m, "prompt_ids"),
-            ids(&m, "greedy_ids"),
-            floats(&m, "margins"),
-        );
+        Served {
+            name,
+            dir: tiny_model(m["dir"].as_str().expect("dir"), tag),
+            prompt: ids(&m, "prompt_ids"),
+            want: ids(&m, "greedy_ids"),
+            margins: floats(&m, "margins"),
+        }
+    })
+    .collect()
+}
+
+/// Decode steps recorded once and replayed as CUDA graphs give the eager steps' tokens, and the
+/// graphs are replayed (the simulated driver counts the launches).
+#[test]
+fn replayed_cuda_graphs_give_the_eager_tokens_on_the_simulated_gpu() {
+    for Served {
+        name,
+        dir,
+        prompt,
+        want,
+        margins,
+    } in served_models("graphs")
+    {
         let prompts: Vec<Vec<u32>> = (0..3).map(|k| prompt[2 * k..].to_vec()).collect();
         let n = want.len();
         let (eager, eager_stats) = served_tokens(&dir, 1, &["--disable-cuda-graph"], &prompts, n);
@@ -400,20 +426,14 @@ fn replayed_cuda_graphs_give_the_eager_tokens_on_the_simulated_gpu() {
 /// bit for bit (both sum in rank order in f32), and those follow transformers.
 #[test]
 fn tensor_parallel_on_two_simulated_gpus_follows_transformers() {
-    for (file, name) in [
-        ("tiny-models.json", "qwen3"),
-        ("tiny-deepseek-8h.json", "deepseek-v3-8h"),
-    ] {
-        let m = fixture_models(file)
-            .into_iter()
-            .find(|m| m["name"] == name)
-            .expect("fixture");
-        let dir = tiny_model(m["dir"].as_str().expect("dir"), "tp");
-        let (prompt, want, margins) = (
-            ids(&m, "prompt_ids"),
-            ids(&m, "greedy_ids"),
-            floats(&m, "margins"),
-        );
+    for Served {
+        name,
+        dir,
+        prompt,
+        want,
+        margins,
+    } in served_models("tp")
+    {
         let tp = ["--tensor-parallel-size", "2"];
         let one_shot = [
             "--tensor-parallel-size",

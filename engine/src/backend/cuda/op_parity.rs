@@ -735,7 +735,7 @@ mod tests {
     fn every_case_runs_on_the_cpu_backend() {
         let cpu = CpuBackend::with_threads(2);
         let out = outputs(&cpu, 7).expect("the cases run");
-        assert_eq!(out.len(), 63);
+        assert_eq!(out.len(), 73);
         for (case, values) in &out {
             assert!(
                 !values.is_empty() && values.iter().all(|v| v.is_finite()),
