@@ -117,7 +117,14 @@ impl Server {
         }
         head.push_str("\r\n");
         s.write_all(head.as_bytes())?;
-        s.write_all(body)?;
+        if let Err(e) = s.write_all(body) {
+            // A server may answer and close before a large body is all sent (an early 413), as
+            // kiln does past 4x its limit: read what it said, as curl does.
+            use std::io::ErrorKind::{BrokenPipe, ConnectionReset};
+            if !matches!(e.kind(), BrokenPipe | ConnectionReset) {
+                return Err(e);
+            }
+        }
         read_response(BufReader::new(s))
     }
 
