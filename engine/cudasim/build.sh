@@ -10,7 +10,8 @@ CXX=${CXX:-c++}
 command -v "$CXX" >/dev/null || { echo "cudasim needs a C++17 compiler ($CXX not found; Debian: g++)" >&2; exit 1; }
 [ "$(uname -m)" = x86_64 ] || { echo "cudasim runs on x86-64 only (its fibers switch stacks in x86-64 code)" >&2; exit 1; }
 mkdir -p "$out"
-{ echo 'R"KILNSIM('; cat "$here/kernel_prelude.h"; echo ')KILNSIM"'; } > "$out/kernel_prelude.inc"
+# The kernels' prelude: half.h (shared with cuBLASLt and NCCL here), then kernel_prelude.h.
+{ echo 'R"KILNSIM('; cat "$here/half.h" "$here/kernel_prelude.h"; echo ')KILNSIM"'; } > "$out/kernel_prelude.inc"
 "$CXX" -std=c++17 -O2 -g -fPIC -shared -Wall -Wextra -Wno-unused-parameter -I"$out" -I"$here" \
   -o "$out/libkilnsim.so.tmp" "$here"/driver.cpp "$here"/nvrtc.cpp "$here"/cublaslt.cpp "$here"/nccl.cpp -ldl -lpthread
 mv "$out/libkilnsim.so.tmp" "$out/libkilnsim.so"

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "half.h"
 #include "sim.h"
 
 namespace {
@@ -36,42 +37,15 @@ struct Pref {};
 float load(const void* base, int type, int64_t i) {
     switch (type) {
         case kF32: return static_cast<const float*>(base)[i];
-        case kBF16: {
-            const uint32_t bits = uint32_t(static_cast<const uint16_t*>(base)[i]) << 16;
-            float f;
-            std::memcpy(&f, &bits, 4);
-            return f;
-        }
-        default: {  // f16
-            const uint16_t h = static_cast<const uint16_t*>(base)[i];
-            const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
-            float f;
-            if (exp == 0) {
-                f = std::ldexp(float(man), -24);
-                return sign ? -f : f;
-            }
-            const uint32_t bits = exp == 31 ? sign | 0x7f800000u | (man << 13)
-                                            : sign | ((exp + 112) << 23) | (man << 13);
-            std::memcpy(&f, &bits, 4);
-            return f;
-        }
+        case kBF16: return kilnsim_half::bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+        default: return kilnsim_half::f16_to_f32(static_cast<const uint16_t*>(base)[i]);
     }
 }
 
 void store(void* base, int type, int64_t i, float v) {
     switch (type) {
         case kF32: static_cast<float*>(base)[i] = v; return;
-        case kBF16: {
-            uint32_t bits;
-            std::memcpy(&bits, &v, 4);
-            uint16_t out;
-            if ((bits & 0x7fffffffu) > 0x7f800000u)
-                out = uint16_t((bits >> 16) | 0x40u);
-            else
-                out = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-            static_cast<uint16_t*>(base)[i] = out;
-            return;
-        }
+        case kBF16: static_cast<uint16_t*>(base)[i] = kilnsim_half::f32_to_bf16(v); return;
         default: sim::fatal("cuBLASLt: f16 output is not simulated");
     }
 }

@@ -274,18 +274,9 @@ inline T exchange(T v, Src src) {
     return r;
 }
 
-// IEEE half to float, exactly (what PTX's cvt.f32.f16 does).
-inline float f16_to_f32(unsigned short h) {
-    const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
-    float f;
-    if (exp == 0) {
-        f = std::ldexp(float(man), -24);
-        return sign ? -f : f;
-    }
-    const uint32_t bits = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
+// IEEE half to float, exactly (what PTX's cvt.f32.f16 does): half.h's, which build.sh puts
+// ahead of this prelude.
+inline float f16_to_f32(unsigned short h) { return kilnsim_half::f16_to_f32(h); }
 
 // warp_reduce's butterfly (v = op(v, shfl_xor(v, o)) for o = 16, 8, 4, 2, 1) for the whole warp
 // at one barrier: every lane publishes its value, the last to arrive replays the 32 lanes'

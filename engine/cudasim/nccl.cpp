@@ -16,6 +16,7 @@
 #include <memory>
 #include <vector>
 
+#include "half.h"
 #include "sim.h"
 
 namespace {
@@ -78,12 +79,7 @@ float value(const void* p, int type, size_t i) {
     switch (type) {
         case kF32: return static_cast<const float*>(p)[i];
         case kI32: return float(static_cast<const int*>(p)[i]);
-        default: {  // bf16
-            const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
-            float f;
-            std::memcpy(&f, &bits, 4);
-            return f;
-        }
+        default: return kilnsim_half::bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
     }
 }
 
@@ -91,13 +87,7 @@ void put(void* p, int type, size_t i, float v) {
     switch (type) {
         case kF32: static_cast<float*>(p)[i] = v; return;
         case kI32: static_cast<int*>(p)[i] = int(v); return;
-        default: {
-            uint32_t bits;
-            std::memcpy(&bits, &v, 4);
-            static_cast<uint16_t*>(p)[i] = (bits & 0x7fffffffu) > 0x7f800000u
-                                               ? uint16_t((bits >> 16) | 0x40u)
-                                               : uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-        }
+        default: static_cast<uint16_t*>(p)[i] = kilnsim_half::f32_to_bf16(v);
     }
 }
 
