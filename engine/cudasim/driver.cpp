@@ -4,8 +4,12 @@
 // (a kernel that runs past a buffer's rounded end faults, and the fault is reported with the
 // kernel's name), filled with 0xff bytes (NaN in every float type) as a GPU's is with garbage.
 // Kernels: modules are shared objects the simulated NVRTC built (nvrtc.cpp); a launch binds
-// (copies) its arguments at once, as cuLaunchKernel does, and runs the grid on the calling
-// thread, or records it into the capturing stream's graph.
+// (copies) its arguments at once, as cuLaunchKernel does, and queues the grid on its stream's
+// worker thread, or records it into the capturing stream's graph.
+// Copies follow the driver's rules for host memory: from pageable memory the source is read when
+// the call is made (the driver stages it), to pageable memory the call returns once the copy is
+// done; to and from pinned memory (cuMemHostAlloc, cuMemHostRegister) they run in stream order,
+// so a host that reuses a pinned buffer before its stream got there sees the race.
 #include <dlfcn.h>
 #include <execinfo.h>
 #include <signal.h>
@@ -14,11 +18,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
 
 #include "sim.h"
@@ -32,9 +38,16 @@ typedef sim::Stream* CUstream;
 typedef sim::Graph* CUgraph;
 typedef sim::Graph* CUgraphExec;
 
-struct CUevent_st {
+// Where a stream reached one record of an event: done once the work queued before it ran.
+struct Mark {
+    bool done = false;
     std::chrono::steady_clock::time_point at{};
-    bool captured = false;  // last recorded into a capture: the host may not wait on it
+};
+
+// Under sim::work_lock().
+struct CUevent_st {
+    std::shared_ptr<Mark> mark;  // the last record; none yet: complete
+    bool captured = false;       // last recorded into a capture: the host may not wait on it
 };
 typedef CUevent_st* CUevent;
 
@@ -96,13 +109,103 @@ Context* primary(int device) {
 
 Context* current_context() { return current; }
 
+// Never destroyed: detached workers may still wait on them while the process exits.
+std::mutex& work_lock() {
+    static std::mutex& m = *new std::mutex;
+    return m;
+}
+static std::condition_variable& work_done = *new std::condition_variable;
+// Every stream not yet freed by its worker, under work_lock().
+static std::vector<Stream*>& live_streams = *new std::vector<Stream*>;
+
+void wait_until(const std::function<bool()>& done) {
+    std::unique_lock<std::mutex> l(work_lock());
+    work_done.wait(l, done);
+}
+
+// Under work_lock(): whether the device's streams have run everything queued (only the blocking
+// ones: what the legacy stream waits for).
+static bool device_idle(int device, bool blocking_only) {
+    for (const Stream* s : live_streams)
+        if (s->device == device && !(blocking_only && s->non_blocking) && s->done != s->enqueued)
+            return false;
+    return true;
+}
+
+static int current_device() { return current ? current->device : 0; }
+
+// The legacy stream's work starts once the device's blocking streams have drained.
+void wait_for_legacy_stream(int device) {
+    wait_until([=] { return device_idle(device, true); });
+}
+
+static void worker(Stream* s) {
+    std::unique_lock<std::mutex> l(work_lock());
+    for (;;) {
+        work_done.wait(l, [&] { return !s->queue.empty() || s->destroyed; });
+        if (s->queue.empty()) break;
+        Work w = std::move(s->queue.front());
+        s->queue.pop_front();
+        l.unlock();
+        w();
+        w = nullptr;  // what the work holds (bound arguments) goes before it counts as done
+        l.lock();
+        s->done++;
+        work_done.notify_all();
+    }
+    live_streams.erase(std::remove(live_streams.begin(), live_streams.end(), s), live_streams.end());
+    work_done.notify_all();
+    l.unlock();
+    delete s;
+}
+
+Stream* new_stream(int device, bool non_blocking) {
+    auto* s = new Stream;
+    s->device = device;
+    s->non_blocking = non_blocking;
+    {
+        std::lock_guard<std::mutex> l(work_lock());
+        live_streams.push_back(s);
+    }
+    std::thread(worker, s).detach();
+    return s;
+}
+
+void destroy_stream(Stream* s) {
+    std::lock_guard<std::mutex> l(work_lock());
+    s->destroyed = true;
+    work_done.notify_all();
+}
+
+// How many items were ever queued on `s`: once that many are done, everything queued so far ran.
+static unsigned long long queued_on(Stream* s) {
+    std::lock_guard<std::mutex> l(work_lock());
+    return s->enqueued;
+}
+
 void enqueue(Stream* s, Work w) {
     if (s && s->capture) {
         s->capture->nodes.push_back(std::move(w));
         return;
     }
-    w();
+    if (!s) {
+        wait_for_legacy_stream(current_device());
+        w();
+        return;
+    }
+    std::lock_guard<std::mutex> l(work_lock());
+    s->queue.push_back(std::move(w));
+    s->enqueued++;
+    work_done.notify_all();
 }
+
+// Waits until `s` has run its first `n` items.
+static void wait_for(Stream* s, unsigned long long n) {
+    wait_until([=] { return s->done >= n; });
+}
+
+// Wakes the waiters after a Mark changed.
+static void notify_work() { work_done.notify_all(); }
 
 bool breaks_capture(Stream* s) {
     if (s && s->capture) {
@@ -167,6 +270,34 @@ CUdeviceptr map_buffer(size_t bytes) {
     return ptr;
 }
 
+// The device a buffer lives on, or -1 when `p` starts no buffer.
+int device_of(CUdeviceptr p) {
+    std::lock_guard<std::mutex> g(memory_lock);
+    auto it = mappings.find(p);
+    return it == mappings.end() ? -1 : it->second.device;
+}
+
+// Pinned host ranges (start, length): copies to and from them run in stream order.
+std::mutex& pinned_lock = *new std::mutex;
+std::map<uintptr_t, size_t>& pinned_ranges = *new std::map<uintptr_t, size_t>;
+
+void pin(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> g(pinned_lock);
+    pinned_ranges[reinterpret_cast<uintptr_t>(p)] = bytes;
+}
+void unpin(void* p) {
+    std::lock_guard<std::mutex> g(pinned_lock);
+    pinned_ranges.erase(reinterpret_cast<uintptr_t>(p));
+}
+bool pinned(const void* p, size_t bytes) {
+    const auto at = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> g(pinned_lock);
+    auto it = pinned_ranges.upper_bound(at);
+    if (it == pinned_ranges.begin()) return false;
+    --it;
+    return at + bytes <= it->first + it->second;
+}
+
 Result unmap_buffer(CUdeviceptr p) {
     if (p == 0) return sim::kSuccess;
     std::lock_guard<std::mutex> g(memory_lock);
@@ -206,7 +337,7 @@ std::atomic<bool> initialised{false};
 
 // What the process ran, for tests that must know a path was taken (a graph replayed, not only
 // recorded): rewritten after every capture and graph launch when KILN_CUDASIM_STATS names a file.
-std::atomic<unsigned long> kernel_launches{0}, captures{0}, graph_launches{0};
+std::atomic<unsigned long> kernel_launches{0}, captures{0}, graph_launches{0}, nccl_aborted_waits{0};
 std::mutex& per_kernel_lock = *new std::mutex;
 std::map<std::string, unsigned long>& per_kernel = *new std::map<std::string, unsigned long>;
 
@@ -223,8 +354,10 @@ void write_stats() {
     std::lock_guard<std::mutex> g(lock);
     const std::string tmp = std::string(path) + ".tmp";
     if (FILE* f = std::fopen(tmp.c_str(), "w")) {
-        std::fprintf(f, "{\"kernel_launches\": %lu, \"captures\": %lu, \"graph_launches\": %lu, \"kernels\": {",
-                     kernel_launches.load(), captures.load(), graph_launches.load());
+        std::fprintf(f,
+                     "{\"kernel_launches\": %lu, \"captures\": %lu, \"graph_launches\": %lu, "
+                     "\"nccl_aborted_waits\": %lu, \"kernels\": {",
+                     kernel_launches.load(), captures.load(), graph_launches.load(), nccl_aborted_waits.load());
         std::lock_guard<std::mutex> k(per_kernel_lock);
         const char* sep = "";
         for (const auto& [name, n] : per_kernel) {
@@ -238,6 +371,11 @@ void write_stats() {
 }
 
 }  // namespace
+
+void sim::count_aborted_wait() {
+    nccl_aborted_waits++;
+    write_stats();
+}
 
 #define API extern "C" __attribute__((visibility("default")))
 #define NEED_INIT \
@@ -344,6 +482,9 @@ API Result cuCtxGetDevice(CUdevice* d) {
 
 API Result cuCtxSynchronize() {
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    if (!sim::current) return sim::kInvalidContext;
+    const int device = sim::current->device;
+    sim::wait_until([=] { return sim::device_idle(device, false); });
     return sim::kSuccess;
 }
 
@@ -376,8 +517,12 @@ API Result cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
     return *p ? sim::kSuccess : sim::kOutOfMemory;
 }
 
+// Like cudaFree, a free waits for the device's work, which may still read the buffer.
 API Result cuMemFree_v2(CUdeviceptr p) {
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    const int device = device_of(p);
+    if (device < 0) return p == 0 ? sim::kSuccess : sim::kInvalidValue;
+    sim::wait_until([=] { return sim::device_idle(device, false); });
     return unmap_buffer(p);
 }
 
@@ -389,31 +534,53 @@ API Result cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream s) {
 }
 API Result cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     if (sim::capturing(s)) return sim::kCaptureUnsupported;
-    return cuMemFree_v2(p);
+    if (device_of(p) < 0) return p == 0 ? sim::kSuccess : sim::kInvalidValue;
+    sim::enqueue(s, [=] { unmap_buffer(p); });
+    return sim::kSuccess;
 }
 
 API Result cuMemAllocHost_v2(void** p, size_t bytes) {
     *p = std::malloc(bytes ? bytes : 1);
-    return *p ? sim::kSuccess : sim::kOutOfMemory;
+    if (!*p) return sim::kOutOfMemory;
+    pin(*p, bytes ? bytes : 1);
+    return sim::kSuccess;
 }
 API Result cuMemHostAlloc(void** p, size_t bytes, unsigned) { return cuMemAllocHost_v2(p, bytes); }
 API Result cuMemFreeHost(void* p) {
+    unpin(p);
     std::free(p);
     return sim::kSuccess;
 }
-API Result cuMemHostRegister_v2(void*, size_t, unsigned) { return sim::kSuccess; }
-API Result cuMemHostUnregister(void*) { return sim::kSuccess; }
+API Result cuMemHostRegister_v2(void* p, size_t bytes, unsigned) {
+    pin(p, bytes);
+    return sim::kSuccess;
+}
+API Result cuMemHostUnregister(void* p) {
+    unpin(p);
+    return sim::kSuccess;
+}
 
 static void copy_on(CUstream s, void* dst, const void* src, size_t n) {
     sim::enqueue(s, [=] { std::memmove(dst, src, n); });
 }
 
+// From pageable memory the driver stages the source before it returns; from pinned memory the
+// copy reads it when the stream gets there.
 API Result cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-    copy_on(s, reinterpret_cast<void*>(dst), src, n);
+    if (sim::capturing(s) || pinned(src, n)) {
+        copy_on(s, reinterpret_cast<void*>(dst), src, n);
+        return sim::kSuccess;
+    }
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                      static_cast<const char*>(src) + n);
+    void* to = reinterpret_cast<void*>(dst);
+    sim::enqueue(s, [=] { std::memcpy(to, staged->data(), n); });
     return sim::kSuccess;
 }
+// To pageable memory the call returns once the copy is done; to pinned memory, at once.
 API Result cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
     copy_on(s, dst, reinterpret_cast<const void*>(src), n);
+    if (s && !sim::capturing(s) && !pinned(dst, n)) sim::wait_for(s, sim::queued_on(s));
     return sim::kSuccess;
 }
 API Result cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
@@ -429,16 +596,19 @@ API Result cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext, CUdeviceptr src, CUcont
 }
 API Result cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    sim::wait_for_legacy_stream(sim::current_device());
     std::memmove(reinterpret_cast<void*>(dst), src, n);
     return sim::kSuccess;
 }
 API Result cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    sim::wait_for_legacy_stream(sim::current_device());
     std::memmove(dst, reinterpret_cast<const void*>(src), n);
     return sim::kSuccess;
 }
 API Result cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    sim::wait_for_legacy_stream(sim::current_device());
     std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
     return sim::kSuccess;
 }
@@ -456,14 +626,15 @@ API Result cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, CUstream s) {
 }
 API Result cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    sim::wait_for_legacy_stream(sim::current_device());
     std::memset(reinterpret_cast<void*>(dst), v, n);
     return sim::kSuccess;
 }
 
-API Result cuStreamCreate(CUstream* s, unsigned) {
+API Result cuStreamCreate(CUstream* s, unsigned flags) {
     NEED_INIT;
     if (!sim::current) return sim::kInvalidContext;
-    *s = new sim::Stream{sim::current->device};
+    *s = sim::new_stream(sim::current->device, (flags & 1) != 0);
     return sim::kSuccess;
 }
 API Result cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) {
@@ -471,18 +642,36 @@ API Result cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) {
 }
 API Result cuStreamDestroy_v2(CUstream s) {
     if (s && s->capture) sim::fatal("a stream was destroyed in the middle of a graph capture");
-    delete s;
+    if (s) sim::destroy_stream(s);  // its worker frees it once its queue is done, as the driver does
     return sim::kSuccess;
 }
 API Result cuStreamSynchronize(CUstream s) {
     if (sim::breaks_capture(s)) return sim::kCaptureUnsupported;
+    if (!s) {
+        sim::wait_for_legacy_stream(sim::current_device());
+        return sim::kSuccess;
+    }
+    sim::wait_for(s, sim::queued_on(s));
     return sim::kSuccess;
 }
 API Result cuStreamQuery(CUstream s) {
     if (sim::breaks_capture(s)) return sim::kCaptureUnsupported;
+    std::lock_guard<std::mutex> l(sim::work_lock());
+    if (!s) return sim::device_idle(sim::current_device(), true) ? sim::kSuccess : sim::kNotReady;
+    return s->done == s->enqueued ? sim::kSuccess : sim::kNotReady;
+}
+// The stream's later work waits for the event's last record (a capture keeps host order instead).
+API Result cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
+    if (!e) return sim::kInvalidHandle;
+    std::shared_ptr<Mark> mark;
+    {
+        std::lock_guard<std::mutex> l(sim::work_lock());
+        mark = e->mark;
+    }
+    if (!mark || sim::capturing(s)) return sim::kSuccess;
+    sim::enqueue(s, [mark] { sim::wait_until([mark] { return mark->done; }); });
     return sim::kSuccess;
 }
-API Result cuStreamWaitEvent(CUstream, CUevent, unsigned) { return sim::kSuccess; }
 
 API Result cuStreamBeginCapture_v2(CUstream s, int) {
     if (!s) return sim::kCaptureUnsupported;  // the legacy stream cannot capture
@@ -546,27 +735,56 @@ API Result cuGraphDestroy(CUgraph g) {
 
 API Result cuEventCreate(CUevent* e, unsigned) {
     *e = new CUevent_st;
-    (*e)->at = std::chrono::steady_clock::now();
     return sim::kSuccess;
 }
+// Work already queued that completes a record holds its Mark, not the event.
 API Result cuEventDestroy_v2(CUevent e) {
     delete e;
     return sim::kSuccess;
 }
 API Result cuEventRecord(CUevent e, CUstream s) {
-    e->captured = sim::capturing(s);
-    sim::enqueue(s, [=] { e->at = std::chrono::steady_clock::now(); });
+    if (!e) return sim::kInvalidHandle;
+    auto mark = std::make_shared<Mark>();
+    {
+        std::lock_guard<std::mutex> l(sim::work_lock());
+        e->mark = mark;
+        e->captured = sim::capturing(s);
+    }
+    sim::enqueue(s, [mark] {
+        {
+            std::lock_guard<std::mutex> l(sim::work_lock());
+            mark->at = std::chrono::steady_clock::now();
+            mark->done = true;
+        }
+        sim::notify_work();
+    });
     return sim::kSuccess;
 }
 API Result cuEventRecordWithFlags(CUevent e, CUstream s, unsigned) { return cuEventRecord(e, s); }
 API Result cuEventSynchronize(CUevent e) {
-    if (e->captured) return sim::kCapturedEvent;
+    if (!e) return sim::kInvalidHandle;
+    std::shared_ptr<Mark> mark;
+    {
+        std::lock_guard<std::mutex> l(sim::work_lock());
+        if (e->captured) return sim::kCapturedEvent;
+        mark = e->mark;
+    }
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
+    if (mark) sim::wait_until([mark] { return mark->done; });
     return sim::kSuccess;
 }
-API Result cuEventQuery(CUevent e) { return e->captured ? sim::kCapturedEvent : sim::kSuccess; }
+API Result cuEventQuery(CUevent e) {
+    if (!e) return sim::kInvalidHandle;
+    std::lock_guard<std::mutex> l(sim::work_lock());
+    if (e->captured) return sim::kCapturedEvent;
+    return !e->mark || e->mark->done ? sim::kSuccess : sim::kNotReady;
+}
 API Result cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) {
-    *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+    if (!start || !end) return sim::kInvalidHandle;
+    std::lock_guard<std::mutex> l(sim::work_lock());
+    if (!start->mark || !end->mark) return sim::kInvalidHandle;  // never recorded
+    if (!start->mark->done || !end->mark->done) return sim::kNotReady;
+    *ms = std::chrono::duration<float, std::milli>(end->mark->at - start->mark->at).count();
     return sim::kSuccess;
 }
 API Result cuEventElapsedTime(float* ms, CUevent start, CUevent end) {

@@ -1,8 +1,9 @@
 // cudasim's NCCL: communicators between the rank threads of one process. A collective runs when
-// its stream reaches it (at once, or at a graph's replay): every rank's n-th collective meets the
+// its stream's worker reaches it (queued, or replayed from a graph): every rank's n-th collective meets the
 // others' n-th, sums or gathers in rank order (f32 accumulation, so every rank gets identical
 // values), and a barrier on each side keeps in-place buffers from being overwritten while a peer
-// still reads them. A rank that never arrives leaves the others waiting, as NCCL does, until
+// still reads them. A collective runs on its stream's worker thread, so a rank that never arrives
+// leaves the others' streams waiting, as NCCL does, while their host threads go on, until
 // ncclCommAbort ends the wait.
 #include <unistd.h>
 
@@ -49,15 +50,16 @@ auto& groups = *new std::map<std::string, std::weak_ptr<Group>>;
 std::atomic<unsigned long> next_id{1};
 
 // Waits until all ranks have arrived (false: the group was aborted meanwhile). A rank that
-// never comes would leave a GPU's collective hanging until kiln's watchdog aborts it; the
-// simulation runs the collective on the caller's thread, where that watchdog cannot reach it, so
-// it gives up after KILN_CUDASIM_NCCL_WAIT_S seconds (default 600) and ends the process saying so.
+// never comes leaves the collective, and so its stream, waiting until ncclCommAbort (kiln's
+// watchdog) ends it, as on a GPU; should nothing abort it, the simulation gives up after
+// KILN_CUDASIM_NCCL_WAIT_S seconds (default 600) and ends the process saying so.
 bool barrier(Group& g) {
     static const long wait_s = [] {
         const char* v = std::getenv("KILN_CUDASIM_NCCL_WAIT_S");
         return v && std::atol(v) > 0 ? std::atol(v) : 600L;
     }();
     std::unique_lock<std::mutex> l(g.m);
+    if (g.aborted) return false;  // queued behind an aborted collective: it never waits
     const unsigned long gen = g.gen;
     if (++g.arrived == g.world) {
         g.arrived = 0;
@@ -67,6 +69,11 @@ bool barrier(Group& g) {
     }
     if (!g.cv.wait_for(l, std::chrono::seconds(wait_s), [&] { return g.gen != gen || g.aborted; }))
         sim::fatal("NCCL: a rank never arrived at a collective");
+    if (g.gen == gen) {  // woken by the abort, not by the last rank: this collective never ran
+        l.unlock();
+        sim::count_aborted_wait();
+        return false;
+    }
     return !g.aborted;
 }
 

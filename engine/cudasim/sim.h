@@ -2,13 +2,17 @@
 // NCCL entry points (driver.cpp, nvrtc.cpp, cublaslt.cpp, nccl.cpp) are one library, so a stream
 // the driver made is the stream NCCL enqueues on.
 //
-// "Device" memory is host memory; a stream runs its work when it is enqueued (so a host wait is
-// always already satisfied), or records it while the stream is capturing a graph, and a graph's
-// launch runs what was recorded, in order.
+// "Device" memory is host memory. Each stream has a worker thread that runs its work in order,
+// while the host thread goes on, as a GPU does: a host wait (a stream or event synchronize, a copy
+// to pageable memory) really waits, and one that is missing lets the host read what the stream
+// has not written yet. The legacy stream (a null handle) runs its work on the calling thread once
+// the device's blocking streams have drained. A capturing stream records its work instead, and a
+// graph's launch enqueues what was recorded, in order.
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -46,9 +50,15 @@ struct Graph {
 
 struct Stream {
     int device = 0;
+    bool non_blocking = false;  // CU_STREAM_NON_BLOCKING: the legacy stream does not wait for it
+    // Touched by the host thread only.
     Graph* capture = nullptr;  // recording into this graph
     bool capture_broken = false;
     const void* capturing_thread = nullptr;
+    // Shared with the stream's worker, under work_lock().
+    std::deque<Work> queue;
+    unsigned long long enqueued = 0, done = 0;
+    bool destroyed = false;  // the worker leaves (and frees the stream) once the queue is empty
 };
 
 struct Context {
@@ -60,8 +70,16 @@ int device_count();
 Context* primary(int device);
 Context* current_context();
 
-// Runs `w` on `s` now, or records it when `s` is capturing.
+// Queues `w` on `s` (its worker runs it), runs it now for the legacy stream, or records it when
+// `s` is capturing.
 void enqueue(Stream* s, Work w);
+// Everything below waits under one lock and one condition, notified whenever a stream's work ends.
+std::mutex& work_lock();
+// Blocks until `done()` holds (checked under work_lock()).
+void wait_until(const std::function<bool()>& done);
+// Counts a collective that was still waiting for its peers when its communicator was aborted
+// (KILN_CUDASIM_STATS reports it as "nccl_aborted_waits").
+void count_aborted_wait();
 // A host-synchronous call on `s` (or, for s == nullptr, on the thread): a capture on this thread
 // cannot contain one, so it breaks the capture(s) and the call fails, as the driver's does.
 bool breaks_capture(Stream* s);

@@ -483,3 +483,178 @@ fn tensor_parallel_on_two_simulated_gpus_follows_transformers() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// What rank 0 tells its holder thread in [`a_stalled_or_dead_gpu_rank_fails_the_step`].
+enum Rank0 {
+    /// Rank 0 dies: its host communicator marks it failed, as a crashed rank's thread does.
+    Fail,
+    /// The phase is over: leave the group.
+    Leave,
+}
+
+/// Rank 0 on GPU 0: joins the NCCL group (a collective call), then never runs a step.
+struct JoinAndIdle {
+    comm: kiln::parallel::ThreadComm,
+    orders: std::sync::mpsc::Receiver<Rank0>,
+}
+
+impl kiln::runner::WithBackend for JoinAndIdle {
+    type Output = Result<(), String>;
+
+    fn run<B: kiln::backend::Backend + 'static>(self, backend: B) -> Self::Output {
+        let device_comm = backend
+            .group_communicator(&self.comm, &Default::default())
+            .map_err(|e| e.to_string())?;
+        if device_comm.is_none() {
+            return Err("rank 0 got no device communicator (NCCL)".into());
+        }
+        while let Ok(order) = self.orders.recv() {
+            match order {
+                Rank0::Fail => kiln::parallel::Communicator::abort(&self.comm),
+                Rank0::Leave => break,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One step of a two-GPU group whose rank 0 joined NCCL and then never ran its part (it stalls,
+/// or it fails `fail_after` into the step): rank 1's step, whose all-reduce waits on its stream
+/// for rank 0, must end with an error, and how long that took.
+fn gpu_peer_step_without_rank0(
+    timeout: std::time::Duration,
+    fail_after: Option<std::time::Duration>,
+) -> (String, std::time::Duration) {
+    use kiln::backend::{Precision, SeqSpan};
+    use kiln::model::ForwardBatch;
+    use kiln::parallel::{PeerConfig, ThreadComm, TpPeers};
+    use kiln::runner::Device;
+
+    let mut comms = ThreadComm::group(2, timeout);
+    let rank0 = comms.remove(0);
+    let (orders, rx) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        Device::Cuda.with_backend_on(
+            0,
+            None,
+            JoinAndIdle {
+                comm: rank0,
+                orders: rx,
+            },
+        )
+    });
+    let cfg = PeerConfig {
+        device: Device::Cuda,
+        model: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3"),
+        precision: Precision::Fast,
+        threads_per_rank: 1,
+        block_size: 16,
+        group: Default::default(),
+        moe: Default::default(),
+        draft_model: None,
+    };
+    let peers = TpPeers::spawn(cfg, comms).expect("rank 1 joins NCCL and loads");
+    peers.size_caches(4).expect("rank 1 sizes its cache");
+    let table = [0u32];
+    let spans = [SeqSpan {
+        first_token: 0,
+        n_tokens: 2,
+        start_pos: 0,
+        block_table: &table,
+        tree: None,
+    }];
+    let batch = ForwardBatch {
+        tokens: &[1, 2],
+        positions: &[0, 1],
+        spans: &spans,
+        logit_rows: &[1],
+        fill: None,
+    };
+    let t0 = std::time::Instant::now();
+    peers.submit(&batch).expect("submit");
+    if let Some(after) = fail_after {
+        std::thread::sleep(after);
+        orders.send(Rank0::Fail).expect("rank 0's holder");
+    }
+    let e = peers
+        .collect()
+        .expect_err("a step without rank 0 must fail");
+    let took = t0.elapsed();
+    orders.send(Rank0::Leave).expect("rank 0's holder");
+    match holder.join() {
+        Ok(Ok(Ok(()))) => {}
+        other => panic!("rank 0: {other:?}"),
+    }
+    drop(peers);
+    (e.to_string(), took)
+}
+
+/// Run by [`a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging`] in a process on two
+/// simulated GPUs (the simulated libraries must be on the loader's path from the start).
+#[test]
+#[ignore = "runs inside a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging"]
+fn stalled_and_dead_gpu_ranks_on_the_simulated_gpus() {
+    use std::time::Duration;
+    // A stalled rank 0: rank 1's watchdog aborts its NCCL communicator at the 1 s deadline.
+    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(1), None);
+    eprintln!("stalled rank 0: rank 1's step failed after {took:?}: {e}");
+    assert!(e.contains("waited"), "{e}");
+    assert!(
+        took < Duration::from_secs(15),
+        "the stalled step took {took:?}"
+    );
+    // A dead rank 0 (failed 300 ms into the step): the wait ends on its failure, well before
+    // the 120 s deadline.
+    let (e, took) =
+        gpu_peer_step_without_rank0(Duration::from_secs(120), Some(Duration::from_millis(300)));
+    eprintln!("dead rank 0: rank 1's step failed after {took:?}: {e}");
+    assert!(e.contains("rank 0"), "{e}");
+    assert!(
+        took < Duration::from_secs(30),
+        "the step with a dead rank took {took:?}"
+    );
+}
+
+/// A failed or stalled rank must not hang the server: on the GPU a collective waits on its
+/// stream, out of the rank thread's reach, and only the watchdog's `ncclCommAbort` ends it.
+/// Rank 1's step must fail within the deadline (a stalled rank 0) or at once (a dead one), and
+/// cudasim's count proves an all-reduce really was waiting on its stream when it was aborted.
+#[test]
+fn a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging() {
+    let stats_file =
+        std::env::temp_dir().join(format!("kiln-cudasim-stall-{}.json", std::process::id()));
+    let out = Command::new(std::env::current_exe().expect("the test binary"))
+        .args([
+            "--ignored",
+            "--exact",
+            "stalled_and_dead_gpu_ranks_on_the_simulated_gpus",
+            "--nocapture",
+        ])
+        .envs(sim_env(2))
+        .env("KILN_CUDASIM_STATS", &stats_file)
+        // Should the watchdog never abort, the simulated collective ends the process instead of
+        // hanging the test.
+        .env("KILN_CUDASIM_NCCL_WAIT_S", "200")
+        .output()
+        .expect("run the test binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("1 passed"),
+        "the inner test did not run:\n{text}"
+    );
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats_file).expect("cudasim's stats file"))
+            .expect("stats json");
+    let _ = std::fs::remove_file(&stats_file);
+    let aborted = stats["nccl_aborted_waits"].as_u64().unwrap_or(0);
+    eprintln!("{text}");
+    assert!(
+        aborted >= 2,
+        "no all-reduce was in flight when aborted: {stats}"
+    );
+}

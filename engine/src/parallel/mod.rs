@@ -20,6 +20,15 @@ pub use shard::{MoeSplit, Shard, ShardPlan};
 pub use threads::{GroupHealth, ThreadComm};
 pub use watchdog::{Completion, Watchdog};
 
+/// The ranks a timed-out collective waited for, when it knows them (NCCL does not say).
+fn missing_ranks(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        String::new()
+    } else {
+        format!(" (rank(s) {missing:?} never arrived)")
+    }
+}
+
 use std::time::Duration;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -27,7 +36,8 @@ pub enum CommError {
     #[error("tensor-parallel rank {rank} failed; the group is down")]
     PeerFailed { rank: usize },
     #[error(
-        "a collective waited {waited:?} for the other ranks (rank(s) {missing:?} never arrived)"
+        "a collective waited {waited:?} for the other ranks{}",
+        missing_ranks(missing)
     )]
     Timeout {
         waited: Duration,

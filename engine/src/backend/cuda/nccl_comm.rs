@@ -449,7 +449,13 @@ impl NcclComm {
     ) -> Result<(), CommError> {
         if let Some(rank) = self.health.failed() {
             self.abort_comm();
-            return Err(CommError::PeerFailed { rank });
+            // Why the group went down when this rank's watchdog saw it (a collective that
+            // waited past the deadline), not only that it is down.
+            return Err(self
+                .watchdog
+                .as_ref()
+                .and_then(|w| w.outcome().err())
+                .unwrap_or(CommError::PeerFailed { rank }));
         }
         let device = |what: String| CommError::Device {
             rank: self.rank,

@@ -335,19 +335,25 @@ pub fn one_shot_selftest(ranks: usize, calls: usize, seed: u64) -> Result<String
                     let gpu = ordinal_of(rank).and_then(Gpu::open).map_err(fail)?;
                     let one_shot = OneShotGpu::join(&gpu, &comm, max_n as u64 * 2)
                         .map_err(|e| e.to_string())?;
+                    // One buffer for every call: freeing device memory waits for all of the
+                    // GPU's work, so with several ranks on one GPU a rank freeing between calls
+                    // would wait on a peer's kernel that waits for this rank's next launch.
+                    let mut buf = gpu
+                        .stream
+                        .alloc_zeros::<bf16>(max_n)
+                        .map_err(|e| fail(format!("allocating the buffer: {e:?}")))?;
                     for call in 0..calls {
                         let n = length(call);
                         let mine: Vec<bf16> = (0..n).map(|i| value(rank, call, i)).collect();
-                        let mut buf = gpu
-                            .stream
-                            .clone_htod(&mine)
+                        gpu.stream
+                            .memcpy_htod(&mine, &mut buf)
                             .map_err(|e| fail(format!("upload: {e:?}")))?;
                         one_shot
                             .all_reduce_bf16(&mut buf, n)
                             .map_err(|e| format!("call {call}: {e}"))?;
-                        let got = gpu
-                            .stream
-                            .clone_dtoh(&buf)
+                        let mut got = vec![bf16::ZERO; n];
+                        gpu.stream
+                            .memcpy_dtoh(&buf.slice(0..n), &mut got)
                             .map_err(|e| fail(format!("download: {e:?}")))?;
                         one_shot
                             .check_status()
