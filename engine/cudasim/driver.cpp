@@ -46,8 +46,9 @@ struct Mark {
 
 // Under sim::work_lock().
 struct CUevent_st {
-    std::shared_ptr<Mark> mark;  // the last record; none yet: complete
-    bool captured = false;       // last recorded into a capture: the host may not wait on it
+    std::shared_ptr<Mark> mark;       // the last record; none yet: complete
+    sim::Graph* captured = nullptr;   // last recorded into this capture: the host may not wait on it
+    bool timing = true;               // CU_EVENT_DISABLE_TIMING clears it
 };
 typedef CUevent_st* CUevent;
 
@@ -139,7 +140,19 @@ void wait_for_legacy_stream(int device) {
     wait_until([=] { return device_idle(device, true); });
 }
 
+// KILN_CUDASIM_STREAM_DELAY_US: each stream waits this long before every item, so the host gets
+// well ahead of its streams and a missing host wait reads stale data instead of, by luck, data
+// the worker already wrote (a race hunt; 0 by default).
+static std::chrono::microseconds stream_delay() {
+    static const long us = [] {
+        const char* v = std::getenv("KILN_CUDASIM_STREAM_DELAY_US");
+        return v && std::atol(v) > 0 ? std::atol(v) : 0L;
+    }();
+    return std::chrono::microseconds(us);
+}
+
 static void worker(Stream* s) {
+    const auto delay = stream_delay();
     std::unique_lock<std::mutex> l(work_lock());
     for (;;) {
         work_done.wait(l, [&] { return !s->queue.empty() || s->destroyed; });
@@ -147,6 +160,7 @@ static void worker(Stream* s) {
         Work w = std::move(s->queue.front());
         s->queue.pop_front();
         l.unlock();
+        if (delay.count() > 0) std::this_thread::sleep_for(delay);
         w();
         w = nullptr;  // what the work holds (bound arguments) goes before it counts as done
         l.lock();
@@ -163,11 +177,14 @@ Stream* new_stream(int device, bool non_blocking) {
     auto* s = new Stream;
     s->device = device;
     s->non_blocking = non_blocking;
-    {
-        std::lock_guard<std::mutex> l(work_lock());
-        live_streams.push_back(s);
+    try {
+        std::thread(worker, s).detach();
+    } catch (const std::system_error&) {
+        delete s;
+        return nullptr;
     }
-    std::thread(worker, s).detach();
+    std::lock_guard<std::mutex> l(work_lock());
+    live_streams.push_back(s);
     return s;
 }
 
@@ -337,7 +354,8 @@ std::atomic<bool> initialised{false};
 
 // What the process ran, for tests that must know a path was taken (a graph replayed, not only
 // recorded): rewritten after every capture and graph launch when KILN_CUDASIM_STATS names a file.
-std::atomic<unsigned long> kernel_launches{0}, captures{0}, graph_launches{0}, nccl_aborted_waits{0};
+std::atomic<unsigned long> kernel_launches{0}, captures{0}, graph_launches{0};
+std::atomic<unsigned long> nccl_aborted_waits[16];  // per rank
 std::mutex& per_kernel_lock = *new std::mutex;
 std::map<std::string, unsigned long>& per_kernel = *new std::map<std::string, unsigned long>;
 
@@ -354,10 +372,13 @@ void write_stats() {
     std::lock_guard<std::mutex> g(lock);
     const std::string tmp = std::string(path) + ".tmp";
     if (FILE* f = std::fopen(tmp.c_str(), "w")) {
-        std::fprintf(f,
-                     "{\"kernel_launches\": %lu, \"captures\": %lu, \"graph_launches\": %lu, "
-                     "\"nccl_aborted_waits\": %lu, \"kernels\": {",
-                     kernel_launches.load(), captures.load(), graph_launches.load(), nccl_aborted_waits.load());
+        std::fprintf(f, "{\"kernel_launches\": %lu, \"captures\": %lu, \"graph_launches\": %lu, ",
+                     kernel_launches.load(), captures.load(), graph_launches.load());
+        int ranks = 16;
+        while (ranks > 0 && nccl_aborted_waits[ranks - 1].load() == 0) ranks--;
+        std::fprintf(f, "\"nccl_aborted_waits\": [");
+        for (int r = 0; r < ranks; r++) std::fprintf(f, "%s%lu", r ? ", " : "", nccl_aborted_waits[r].load());
+        std::fprintf(f, "], \"kernels\": {");
         std::lock_guard<std::mutex> k(per_kernel_lock);
         const char* sep = "";
         for (const auto& [name, n] : per_kernel) {
@@ -372,8 +393,8 @@ void write_stats() {
 
 }  // namespace
 
-void sim::count_aborted_wait() {
-    nccl_aborted_waits++;
+void sim::count_aborted_wait(int rank) {
+    if (rank >= 0 && rank < 16) nccl_aborted_waits[rank]++;
     write_stats();
 }
 
@@ -546,7 +567,14 @@ API Result cuMemAllocHost_v2(void** p, size_t bytes) {
     return sim::kSuccess;
 }
 API Result cuMemHostAlloc(void** p, size_t bytes, unsigned) { return cuMemAllocHost_v2(p, bytes); }
+// Queued copies may still use the pinned buffer: wait for every device's work first.
+static void wait_all_devices() {
+    for (int d = 0; d < sim::device_count(); d++)
+        sim::wait_until([d] { return sim::device_idle(d, false); });
+}
+
 API Result cuMemFreeHost(void* p) {
+    wait_all_devices();
     unpin(p);
     std::free(p);
     return sim::kSuccess;
@@ -556,6 +584,7 @@ API Result cuMemHostRegister_v2(void* p, size_t bytes, unsigned) {
     return sim::kSuccess;
 }
 API Result cuMemHostUnregister(void* p) {
+    wait_all_devices();
     unpin(p);
     return sim::kSuccess;
 }
@@ -564,10 +593,18 @@ static void copy_on(CUstream s, void* dst, const void* src, size_t n) {
     sim::enqueue(s, [=] { std::memmove(dst, src, n); });
 }
 
+// A graph cannot hold a copy to or from pageable memory (its staging is a host-side step): the
+// capture breaks, as the driver's does.
+static Result pageable_in_capture(CUstream s) {
+    sim::breaks_capture(s);
+    return sim::kCaptureUnsupported;
+}
+
 // From pageable memory the driver stages the source before it returns; from pinned memory the
 // copy reads it when the stream gets there.
 API Result cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-    if (sim::capturing(s) || pinned(src, n)) {
+    if (sim::capturing(s) && !pinned(src, n)) return pageable_in_capture(s);
+    if (pinned(src, n)) {
         copy_on(s, reinterpret_cast<void*>(dst), src, n);
         return sim::kSuccess;
     }
@@ -579,6 +616,7 @@ API Result cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUst
 }
 // To pageable memory the call returns once the copy is done; to pinned memory, at once.
 API Result cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+    if (sim::capturing(s) && !pinned(dst, n)) return pageable_in_capture(s);
     copy_on(s, dst, reinterpret_cast<const void*>(src), n);
     if (s && !sim::capturing(s) && !pinned(dst, n)) sim::wait_for(s, sim::queued_on(s));
     return sim::kSuccess;
@@ -635,7 +673,7 @@ API Result cuStreamCreate(CUstream* s, unsigned flags) {
     NEED_INIT;
     if (!sim::current) return sim::kInvalidContext;
     *s = sim::new_stream(sim::current->device, (flags & 1) != 0);
-    return sim::kSuccess;
+    return *s ? sim::kSuccess : sim::kOutOfMemory;
 }
 API Result cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) {
     return cuStreamCreate(s, flags);
@@ -660,15 +698,28 @@ API Result cuStreamQuery(CUstream s) {
     if (!s) return sim::device_idle(sim::current_device(), true) ? sim::kSuccess : sim::kNotReady;
     return s->done == s->enqueued ? sim::kSuccess : sim::kNotReady;
 }
-// The stream's later work waits for the event's last record (a capture keeps host order instead).
+// The stream's later work waits for the event's last record. In a capture the wait joins the
+// event's node of the same capture (the simulation keeps host order there); an event recorded
+// outside it cannot join one (the capture breaks, CUDA_ERROR_STREAM_CAPTURE_ISOLATION), and one
+// recorded inside a capture cannot be waited on outside it.
 API Result cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
     if (!e) return sim::kInvalidHandle;
     std::shared_ptr<Mark> mark;
+    sim::Graph* captured;
     {
         std::lock_guard<std::mutex> l(sim::work_lock());
         mark = e->mark;
+        captured = e->captured;
     }
-    if (!mark || sim::capturing(s)) return sim::kSuccess;
+    if (sim::capturing(s)) {
+        if (mark && captured != s->capture) {
+            s->capture_broken = true;
+            return sim::kCaptureIsolation;
+        }
+        return sim::kSuccess;
+    }
+    if (captured) return sim::kCapturedEvent;
+    if (!mark) return sim::kSuccess;
     sim::enqueue(s, [mark] { sim::wait_until([mark] { return mark->done; }); });
     return sim::kSuccess;
 }
@@ -733,8 +784,9 @@ API Result cuGraphDestroy(CUgraph g) {
     return sim::kSuccess;
 }
 
-API Result cuEventCreate(CUevent* e, unsigned) {
+API Result cuEventCreate(CUevent* e, unsigned flags) {
     *e = new CUevent_st;
+    (*e)->timing = (flags & 2) == 0;  // CU_EVENT_DISABLE_TIMING
     return sim::kSuccess;
 }
 // Work already queued that completes a record holds its Mark, not the event.
@@ -748,7 +800,7 @@ API Result cuEventRecord(CUevent e, CUstream s) {
     {
         std::lock_guard<std::mutex> l(sim::work_lock());
         e->mark = mark;
-        e->captured = sim::capturing(s);
+        e->captured = sim::capturing(s) ? s->capture : nullptr;
     }
     sim::enqueue(s, [mark] {
         {
@@ -782,7 +834,8 @@ API Result cuEventQuery(CUevent e) {
 API Result cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) {
     if (!start || !end) return sim::kInvalidHandle;
     std::lock_guard<std::mutex> l(sim::work_lock());
-    if (!start->mark || !end->mark) return sim::kInvalidHandle;  // never recorded
+    // Never recorded, or made with CU_EVENT_DISABLE_TIMING (cudarc's default), as the driver.
+    if (!start->mark || !end->mark || !start->timing || !end->timing) return sim::kInvalidHandle;
     if (!start->mark->done || !end->mark->done) return sim::kNotReady;
     *ms = std::chrono::duration<float, std::milli>(end->mark->at - start->mark->at).count();
     return sim::kSuccess;

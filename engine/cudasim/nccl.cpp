@@ -33,7 +33,9 @@ struct Group {
     std::condition_variable cv;
     unsigned long gen = 0;
     int arrived = 0;
-    bool aborted = false;
+    // Per rank, as NCCL's: one rank's ncclCommAbort ends its own waits only; its peers go on
+    // waiting for it until their own watchdogs abort them.
+    std::vector<bool> aborted;
     std::vector<const void*> send;
     std::vector<std::string> what;  // each rank's collective: kind, count and type must agree
 };
@@ -41,7 +43,6 @@ struct Group {
 struct Comm {
     std::shared_ptr<Group> group;
     int rank = 0, device = 0;
-    bool aborted = false;
 };
 
 // Never destroyed: rank threads may still be in a collective while the process exits.
@@ -49,37 +50,33 @@ std::mutex& registry_lock = *new std::mutex;
 auto& groups = *new std::map<std::string, std::weak_ptr<Group>>;
 std::atomic<unsigned long> next_id{1};
 
-// Waits until all ranks have arrived (false: the group was aborted meanwhile). A rank that
-// never comes leaves the collective, and so its stream, waiting until ncclCommAbort (kiln's
-// watchdog) ends it, as on a GPU; should nothing abort it, the simulation gives up after
-// KILN_CUDASIM_NCCL_WAIT_S seconds (default 600) and ends the process saying so.
-bool barrier(Group& g) {
+// Waits until all ranks have arrived. A rank that never comes leaves the collective, and so its
+// stream, waiting until this rank's ncclCommAbort (kiln's watchdog) ends it, as on a GPU: then,
+// when `abortable`, it returns false (the collective did not run) and leaves the count. Should
+// nothing abort it, the simulation gives up after KILN_CUDASIM_NCCL_WAIT_S seconds (default
+// 600) and ends the process saying so.
+bool barrier(Group& g, int rank, bool abortable) {
     static const long wait_s = [] {
         const char* v = std::getenv("KILN_CUDASIM_NCCL_WAIT_S");
         return v && std::atol(v) > 0 ? std::atol(v) : 600L;
     }();
     std::unique_lock<std::mutex> l(g.m);
-    if (g.aborted) return false;  // queued behind an aborted collective: it never waits
+    if (abortable && g.aborted[rank]) return false;  // queued behind the aborted one: never waits
     const unsigned long gen = g.gen;
     if (++g.arrived == g.world) {
         g.arrived = 0;
         g.gen++;
         g.cv.notify_all();
-        return !g.aborted;
+        return true;
     }
-    if (!g.cv.wait_for(l, std::chrono::seconds(wait_s), [&] { return g.gen != gen || g.aborted; }))
+    const auto woken = [&] { return g.gen != gen || (abortable && g.aborted[rank]); };
+    if (!g.cv.wait_for(l, std::chrono::seconds(wait_s), woken))
         sim::fatal("NCCL: a rank never arrived at a collective");
-    if (g.gen == gen) {  // woken by the abort, not by the last rank: this collective never ran
-        l.unlock();
-        sim::count_aborted_wait();
-        return false;
-    }
-    return !g.aborted;
-}
-
-bool aborted(Group& g) {
-    std::lock_guard<std::mutex> l(g.m);
-    return g.aborted;
+    if (g.gen != gen) return true;  // everyone came (an abort after that changes nothing)
+    g.arrived--;                     // aborted while waiting: this rank leaves the meeting
+    l.unlock();
+    sim::count_aborted_wait(rank);
+    return false;
 }
 
 float value(const void* p, int type, size_t i) {
@@ -103,22 +100,24 @@ size_t size_of(int type) { return type == kF32 || type == kI32 ? 4 : 2; }
 bool supported(int type) { return type == kF32 || type == kI32 || type == kBF16; }
 
 // Every rank publishes its send buffer and what it calls, waits for all, runs `body`, then waits
-// for all again. Ranks calling different collectives, counts or types end the process: NCCL
-// would read past a buffer or hang.
+// for all again (every rank past the first meeting reaches the second: no abort ends that one,
+// so no peer's buffer goes while it is read). Ranks calling different collectives, counts or
+// types end the process: NCCL would read past a buffer or hang. False: this rank was aborted
+// before all met, and the collective did not run.
 template <typename Body>
-void meet(Comm* c, const void* send, const std::string& what, Body body) {
-    Group& g = *c->group;
+bool meet(Group& g, int rank, const void* send, const std::string& what, Body body) {
     {
         std::lock_guard<std::mutex> l(g.m);
-        g.send[c->rank] = send;
-        g.what[c->rank] = what;
+        g.send[rank] = send;
+        g.what[rank] = what;
     }
-    if (!barrier(g)) return;
+    if (!barrier(g, rank, true)) return false;
     for (int r = 1; r < g.world; r++)
         if (g.what[r] != g.what[0])
             sim::fatal("NCCL: rank 0 called " + g.what[0] + " while rank " + std::to_string(r) + " called " + g.what[r]);
     body(g);
-    barrier(g);
+    barrier(g, rank, false);
+    return true;
 }
 
 }  // namespace
@@ -164,13 +163,14 @@ API int ncclCommInitRankConfig(Comm** comm, int world, UniqueId id, int rank, vo
             g = std::make_shared<Group>();
             g->world = world;
             g->send.assign(world, nullptr);
+            g->aborted.assign(world, false);
             g->what.assign(world, "");
             groups[key] = g;
         }
     }
     if (g->world != world) return kInvalidArgument;
     sim::Context* ctx = sim::current_context();
-    *comm = new Comm{g, rank, ctx ? ctx->device : 0, false};
+    *comm = new Comm{g, rank, ctx ? ctx->device : 0};
     return kSuccess;
 }
 
@@ -178,18 +178,19 @@ API int ncclCommInitRank(Comm** comm, int world, UniqueId id, int rank) {
     return ncclCommInitRankConfig(comm, world, id, rank, nullptr);
 }
 
+// A peer that stops coming is no error NCCL can see: its collectives just wait.
 API int ncclCommGetAsyncError(Comm* c, int* state) {
     if (!c) return kInvalidArgument;
-    std::lock_guard<std::mutex> l(c->group->m);
-    *state = c->group->aborted ? kRemoteError : kSuccess;
+    *state = kSuccess;
     return kSuccess;
 }
 
+// Ends this rank's waits (its queued collectives return without running); the peers' go on.
 API int ncclCommAbort(Comm* c) {
     if (!c) return kSuccess;
     {
         std::lock_guard<std::mutex> l(c->group->m);
-        c->group->aborted = true;
+        c->group->aborted[c->rank] = true;
     }
     c->group->cv.notify_all();
     delete c;
@@ -228,15 +229,14 @@ API int ncclAllReduce(const void* send, void* recv, size_t n, int type, int op, 
         return kSuccess;
     }
     sim::enqueue(s, [=] {
-        Comm self{group, rank, 0, false};
         std::vector<float> sum(n, 0.f);
         const std::string what = "ncclAllReduce(" + std::to_string(n) + " of type " + std::to_string(type) + ")";
-        meet(&self, send, what, [&](Group& g) {
+        const bool ran = meet(*group, rank, send, what, [&](Group& g) {
             for (int r = 0; r < g.world; r++)
                 for (size_t i = 0; i < n; i++) sum[i] += value(g.send[r], type, i);
         });
         // Written after the second barrier: every peer has read this rank's (maybe aliased) input.
-        if (!aborted(*group))
+        if (ran)
             for (size_t i = 0; i < n; i++) put(recv, type, i, sum[i]);
     });
     return kSuccess;
@@ -247,15 +247,14 @@ API int ncclAllGather(const void* send, void* recv, size_t n, int type, Comm* c,
     const int rank = c->rank;
     std::shared_ptr<Group> group = c->group;
     sim::enqueue(s, [=] {
-        Comm self{group, rank, 0, false};
         std::vector<char> all;
         const std::string what = "ncclAllGather(" + std::to_string(n) + " of type " + std::to_string(type) + ")";
-        meet(&self, send, what, [&](Group& g) {
+        const bool ran = meet(*group, rank, send, what, [&](Group& g) {
             const size_t bytes = n * size_of(type);
             all.resize(bytes * g.world);
             for (int r = 0; r < g.world; r++) std::memcpy(all.data() + r * bytes, g.send[r], bytes);
         });
-        if (!aborted(*group)) std::memcpy(recv, all.data(), all.size());
+        if (ran) std::memcpy(recv, all.data(), all.size());
     });
     return kSuccess;
 }

@@ -36,6 +36,7 @@ enum Result : int {
     kPeerAccessAlreadyEnabled = 704,
     kCaptureUnsupported = 900,
     kCaptureInvalidated = 901,
+    kCaptureIsolation = 904,
     kCapturedEvent = 907,
     kCaptureWrongThread = 908,
     kNotSupported = 801,
@@ -77,9 +78,9 @@ void enqueue(Stream* s, Work w);
 std::mutex& work_lock();
 // Blocks until `done()` holds (checked under work_lock()).
 void wait_until(const std::function<bool()>& done);
-// Counts a collective that was still waiting for its peers when its communicator was aborted
-// (KILN_CUDASIM_STATS reports it as "nccl_aborted_waits").
-void count_aborted_wait();
+// Counts a collective of `rank` that was still waiting for its peers when its own communicator
+// was aborted (KILN_CUDASIM_STATS reports them per rank as "nccl_aborted_waits").
+void count_aborted_wait(int rank);
 // A host-synchronous call on `s` (or, for s == nullptr, on the thread): a capture on this thread
 // cannot contain one, so it breaks the capture(s) and the call fails, as the driver's does.
 bool breaks_capture(Stream* s);

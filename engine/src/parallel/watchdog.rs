@@ -52,10 +52,13 @@ impl Watchdog {
                 if let Some(e) = watch(&health, &rx) {
                     // The verdict first: aborting ends the stuck kernels, and a step that ends
                     // in that moment must already see why (not return what they left behind).
-                    if !matches!(e, CommError::PeerFailed { .. }) {
+                    // The verdict before the group hears of it: a step that sees the group
+                    // down then finds why.
+                    let own = !matches!(e, CommError::PeerFailed { .. });
+                    *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    if own {
                         health.fail();
                     }
-                    *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     abort();
                 }
                 // Drain until the rank drops its sender: later items are moot.

@@ -449,13 +449,7 @@ impl NcclComm {
     ) -> Result<(), CommError> {
         if let Some(rank) = self.health.failed() {
             self.abort_comm();
-            // Why the group went down when this rank's watchdog saw it (a collective that
-            // waited past the deadline), not only that it is down.
-            return Err(self
-                .watchdog
-                .as_ref()
-                .and_then(|w| w.outcome().err())
-                .unwrap_or(CommError::PeerFailed { rank }));
+            return Err(self.why_down(rank));
         }
         let device = |what: String| CommError::Device {
             rank: self.rank,
@@ -465,8 +459,14 @@ impl NcclComm {
         // The communicator is live while `with` holds its lock.
         match self.handle.with(|comm| call(comm, stream)) {
             None => {
-                self.health.fail();
-                return Err(device("the NCCL communicator was aborted".into()));
+                // Aborted by the watchdog, which said why (or by a drop, which cannot be here).
+                return Err(match self.health.failed() {
+                    Some(rank) => self.why_down(rank),
+                    None => {
+                        self.health.fail();
+                        device("the NCCL communicator was aborted".into())
+                    }
+                });
             }
             Some(Ok(result::NcclStatus::InProgress)) => {
                 // Still being enqueued (non-blocking communicators may say so): nothing else may
@@ -497,14 +497,23 @@ impl NcclComm {
         Ok(())
     }
 
+    /// Why the group is down, `failed` being the rank it was failed in the name of: another
+    /// rank's own failure, or this rank's watchdog's verdict (a collective that waited past the
+    /// deadline, a device error), not only that it is down.
+    fn why_down(&self, failed: usize) -> CommError {
+        let verdict = self.watchdog.as_ref().and_then(|w| w.outcome().err());
+        match verdict {
+            Some(e) if failed == self.rank => e,
+            _ => CommError::PeerFailed { rank: failed },
+        }
+    }
+
     /// What NCCL's collectives came to: the watchdog's verdict, a peer's failure.
     fn nccl_outcome(&self) -> Result<(), CommError> {
-        if let Some(w) = &self.watchdog {
-            w.outcome()?;
-        }
-        match self.health.failed() {
-            Some(rank) => Err(CommError::PeerFailed { rank }),
-            None => Ok(()),
+        match (self.health.failed(), &self.watchdog) {
+            (Some(rank), _) => Err(self.why_down(rank)),
+            (None, Some(w)) => w.outcome(),
+            (None, None) => Ok(()),
         }
     }
 
