@@ -492,9 +492,11 @@ enum Rank0 {
     Leave,
 }
 
-/// Rank 0 on GPU 0: joins the NCCL group (a collective call), then never runs a step.
+/// Rank 0 on GPU 0: joins the group's device communicators (collective calls), then never runs
+/// a step.
 struct JoinAndIdle {
     comm: kiln::parallel::ThreadComm,
+    group: kiln::parallel::GroupOptions,
     orders: std::sync::mpsc::Receiver<Rank0>,
 }
 
@@ -503,7 +505,7 @@ impl kiln::runner::WithBackend for JoinAndIdle {
 
     fn run<B: kiln::backend::Backend + 'static>(self, backend: B) -> Self::Output {
         let device_comm = backend
-            .group_communicator(&self.comm, &Default::default())
+            .group_communicator(&self.comm, &self.group)
             .map_err(|e| e.to_string())?;
         if device_comm.is_none() {
             return Err("rank 0 got no device communicator (NCCL)".into());
@@ -518,12 +520,13 @@ impl kiln::runner::WithBackend for JoinAndIdle {
     }
 }
 
-/// One step of a two-GPU group whose rank 0 joined NCCL and then never ran its part (it stalls,
-/// or it fails `fail_after` into the step): rank 1's step, whose all-reduce waits on its stream
-/// for rank 0, must end with an error, and how long that took.
+/// One step of a two-GPU group (all-reduces as `group` says) whose rank 0 joined and then never
+/// ran its part (it stalls, or it fails `fail_after` into the step): rank 1's step, whose
+/// all-reduce waits on its stream for rank 0, must end with an error, and how long that took.
 fn gpu_peer_step_without_rank0(
     timeout: std::time::Duration,
     fail_after: Option<std::time::Duration>,
+    group: kiln::parallel::GroupOptions,
 ) -> (String, std::time::Duration) {
     use kiln::backend::{Precision, SeqSpan};
     use kiln::model::ForwardBatch;
@@ -539,6 +542,7 @@ fn gpu_peer_step_without_rank0(
             None,
             JoinAndIdle {
                 comm: rank0,
+                group,
                 orders: rx,
             },
         )
@@ -549,11 +553,11 @@ fn gpu_peer_step_without_rank0(
         precision: Precision::Fast,
         threads_per_rank: 1,
         block_size: 16,
-        group: Default::default(),
+        group,
         moe: Default::default(),
         draft_model: None,
     };
-    let peers = TpPeers::spawn(cfg, comms).expect("rank 1 joins NCCL and loads");
+    let peers = TpPeers::spawn(cfg, comms).expect("rank 1 joins and loads");
     peers.size_caches(4).expect("rank 1 sizes its cache");
     let table = [0u32];
     let spans = [SeqSpan {
@@ -597,7 +601,8 @@ fn stalled_and_dead_gpu_ranks_on_the_simulated_gpus() {
     use std::time::Duration;
     // A stalled rank 0: rank 1's watchdog aborts its NCCL communicator at the 3 s deadline
     // (which also bounds the ranks' meeting to join NCCL, hence not shorter on a loaded machine).
-    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(3), None);
+    let nccl = kiln::parallel::GroupOptions::default();
+    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(3), None, nccl);
     eprintln!("stalled rank 0: rank 1's step failed after {took:?}: {e}");
     assert!(e.contains("waited"), "{e}");
     assert!(
@@ -606,13 +611,26 @@ fn stalled_and_dead_gpu_ranks_on_the_simulated_gpus() {
     );
     // A dead rank 0 (failed 2 s into the step, when rank 1's all-reduce waits for it): the wait
     // ends on its failure, well before the 120 s deadline.
-    let (e, took) =
-        gpu_peer_step_without_rank0(Duration::from_secs(120), Some(Duration::from_secs(2)));
+    let fail_after = Some(Duration::from_secs(2));
+    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(120), fail_after, nccl);
     eprintln!("dead rank 0: rank 1's step failed after {took:?}: {e}");
     assert!(e.contains("rank 0"), "{e}");
     assert!(
         took < Duration::from_secs(30),
         "the step with a dead rank took {took:?}"
+    );
+    // The one-shot kernel for the all-reduces (NCCL gathers the logits): a stalled rank 0 leaves
+    // rank 1's kernel spinning on its flag until its own deadline (in clock cycles), which must
+    // end it; a kernel that spun on would hold the stream, and the step, forever.
+    let one_shot = kiln::parallel::GroupOptions {
+        one_shot_max_bytes: 1 << 20,
+    };
+    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(3), None, one_shot);
+    eprintln!("stalled rank 0, one-shot all-reduce: rank 1's step failed after {took:?}: {e}");
+    assert!(e.contains("waited"), "{e}");
+    assert!(
+        took < Duration::from_secs(30),
+        "the stalled one-shot step took {took:?}"
     );
 }
 
@@ -623,9 +641,12 @@ fn stalled_and_dead_gpu_ranks_on_the_simulated_gpus() {
 /// own communicator was aborted (an abort ends only the aborting rank's waits, as NCCL's).
 #[test]
 fn a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging() {
-    let stats_file =
-        std::env::temp_dir().join(format!("kiln-cudasim-stall-{}.json", std::process::id()));
-    let out = Command::new(std::env::current_exe().expect("the test binary"))
+    use std::time::{Duration, Instant};
+    let tmp = std::env::temp_dir();
+    let stats_file = tmp.join(format!("kiln-cudasim-stall-{}.json", std::process::id()));
+    let log_file = tmp.join(format!("kiln-cudasim-stall-{}.log", std::process::id()));
+    let log = std::fs::File::create(&log_file).expect("log file");
+    let mut child = Command::new(std::env::current_exe().expect("the test binary"))
         .args([
             "--ignored",
             "--exact",
@@ -637,14 +658,27 @@ fn a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging() {
         // Should the watchdog never abort, the simulated collective ends the process instead of
         // hanging the test.
         .env("KILN_CUDASIM_NCCL_WAIT_S", "200")
-        .output()
+        .stdout(log.try_clone().expect("log file"))
+        .stderr(log)
+        .spawn()
         .expect("run the test binary");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{text}");
+    // A step that never ends (a kernel spinning past its deadline) fails here, not by hanging.
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the test binary") {
+            break Some(status);
+        }
+        if started.elapsed() > Duration::from_secs(400) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let text = std::fs::read_to_string(&log_file).unwrap_or_default();
+    let _ = std::fs::remove_file(&log_file);
+    let status = status.unwrap_or_else(|| panic!("a step hung for 400 s:\n{text}"));
+    assert!(status.success(), "{text}");
     assert!(
         text.contains("1 passed"),
         "the inner test did not run:\n{text}"
@@ -653,11 +687,17 @@ fn a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging() {
         serde_json::from_str(&std::fs::read_to_string(&stats_file).expect("cudasim's stats file"))
             .expect("stats json");
     let _ = std::fs::remove_file(&stats_file);
-    let aborted = |rank: usize| stats["nccl_aborted_waits"][rank].as_u64().unwrap_or(0);
     eprintln!("{text}");
-    assert_eq!(
-        (aborted(0), aborted(1)),
-        (0, 2),
-        "rank 1's all-reduce must have been waiting when its watchdog aborted, once per case: {stats}"
+    let aborted = |rank: usize| stats["nccl_aborted_waits"][rank].as_u64().unwrap_or(0);
+    assert_eq!(aborted(0), 0, "rank 0 never called a collective: {stats}");
+    // Once in each NCCL case; the one-shot case adds the logits' gather when that was already
+    // waiting at the abort.
+    assert!(
+        (2..=3).contains(&aborted(1)),
+        "rank 1's all-reduce must have been waiting when its watchdog aborted: {stats}"
     );
+    let one_shot = stats["kernels"]["kiln_oneshot_allreduce_bf16"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(one_shot > 0, "the one-shot kernel never ran: {stats}");
 }

@@ -44,7 +44,7 @@ enum Command {
     SystemdUnit(systemd_unit::SystemdUnitArgs),
     /// Turn another server's launch (SGLang's) into a kiln config, environment and sweep.
     Import(import::ImportArgs),
-    /// Check every CUDA kernel against its CPU reference on GPU 0 (builds with --features cuda).
+    /// Check every CUDA kernel against its CPU reference on GPU 0.
     #[cfg(feature = "cuda")]
     GpuCheck(gpu_check::GpuCheckArgs),
 }

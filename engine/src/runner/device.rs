@@ -24,7 +24,7 @@ pub enum Device {
     /// The CPU backend (AVX2 / AVX-512 kernels, chosen at run time).
     #[default]
     Cpu,
-    /// One NVIDIA GPU through CUDA (a `--features cuda` build).
+    /// One NVIDIA GPU through CUDA (in the default build; not with `--no-default-features`).
     Cuda,
 }
 
