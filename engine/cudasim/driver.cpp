@@ -72,6 +72,7 @@ typedef Function* CUfunction;
 namespace sim {
 
 thread_local const char* running_kernel = nullptr;
+thread_local bool replaying = false;
 
 void fatal(const std::string& what) {
     std::fprintf(stderr, "cudasim: %s\n", what.c_str());
@@ -770,7 +771,12 @@ API Result cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph g, unsigned lo
 API Result cuGraphUpload(CUgraphExec, CUstream) { return sim::kSuccess; }
 API Result cuGraphLaunch(CUgraphExec exec, CUstream s) {
     if (!exec) return sim::kInvalidValue;
-    for (auto& node : exec->nodes) sim::enqueue(s, node);
+    for (auto& node : exec->nodes)
+        sim::enqueue(s, [node] {
+            sim::replaying = true;
+            node();
+            sim::replaying = false;
+        });
     graph_launches++;
     write_stats();
     return sim::kSuccess;

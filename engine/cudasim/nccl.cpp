@@ -12,6 +12,7 @@
 #include <string>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -99,6 +100,26 @@ size_t size_of(int type) { return type == kF32 || type == kI32 ? 4 : 2; }
 
 bool supported(int type) { return type == kF32 || type == kI32 || type == kBF16; }
 
+// KILN_CUDASIM_NCCL_STALL=RANK:FILE, a fault a test injects: while FILE exists, rank RANK's
+// collectives replayed from a graph never arrive (a hung GPU), until that rank's own abort.
+bool stalls(int rank) {
+    static const std::pair<int, std::string> fault = []() -> std::pair<int, std::string> {
+        const char* v = std::getenv("KILN_CUDASIM_NCCL_STALL");
+        const char* colon = v ? std::strchr(v, ':') : nullptr;
+        if (!colon) return {-1, ""};
+        return {std::atoi(v), std::string(colon + 1)};
+    }();
+    return rank == fault.first && sim::replaying && access(fault.second.c_str(), F_OK) == 0;
+}
+
+// The injected stall: waits for this rank's abort as a hung collective would.
+void stall(Group& g, int rank) {
+    std::unique_lock<std::mutex> l(g.m);
+    g.cv.wait(l, [&] { return bool(g.aborted[rank]); });
+    l.unlock();
+    sim::count_aborted_wait(rank);
+}
+
 // Every rank publishes its send buffer and what it calls, waits for all, runs `body`, then waits
 // for all again (every rank past the first meeting reaches the second: no abort ends that one,
 // so no peer's buffer goes while it is read). Ranks calling different collectives, counts or
@@ -110,6 +131,10 @@ bool meet(Group& g, int rank, const void* send, const std::string& what, Body bo
         std::lock_guard<std::mutex> l(g.m);
         g.send[rank] = send;
         g.what[rank] = what;
+    }
+    if (stalls(rank)) {
+        stall(g, rank);
+        return false;
     }
     if (!barrier(g, rank, true)) return false;
     for (int r = 1; r < g.world; r++)

@@ -89,6 +89,8 @@ bool capturing(const Stream* s);
 
 // The kernel a thread is running, for the out-of-bounds report.
 extern thread_local const char* running_kernel;
+// Whether a stream's worker is running work replayed from a graph (for injected faults).
+extern thread_local bool replaying;
 
 [[noreturn]] void fatal(const std::string& what);
 

@@ -701,3 +701,92 @@ fn a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging() {
         .unwrap_or(0);
     assert!(one_shot > 0, "the one-shot kernel never ran: {stats}");
 }
+
+/// The production path of a hung GPU: `kiln serve` at TP = 2, decoding from CUDA graphs, when
+/// GPU 0 hangs inside a replayed graph (cudasim's injected fault `KILN_CUDASIM_NCCL_STALL`: its
+/// collectives stop arriving). A replayed graph's collectives have no host call to watch, so the
+/// ranks' watchdogs must hold the launches to `--tp-collective-timeout`, abort, fail the step and
+/// the request in it, and the process must exit with status 70 for its service manager, not hang.
+#[test]
+fn a_gpu_hanging_in_a_replayed_graph_ends_the_server_for_its_service_manager() {
+    use std::time::{Duration, Instant};
+    let dir = tiny_model("tiny/qwen3", "hang");
+    let tmp = std::env::temp_dir();
+    let stats_file = tmp.join(format!("kiln-cudasim-hang-{}.json", std::process::id()));
+    let fault = tmp.join(format!("kiln-cudasim-hang-{}.on", std::process::id()));
+    let _ = std::fs::remove_file(&fault);
+    let port = free_port();
+    let (port_arg, model_arg) = (port.to_string(), dir.display().to_string());
+    let args = [
+        "--port",
+        &port_arg,
+        "--model",
+        &model_arg,
+        "--device",
+        "cuda",
+        "--kv-tokens",
+        "2048",
+        "--cuda-graph-max-bs",
+        "2",
+        "--tensor-parallel-size",
+        "2",
+        "--tp-collective-timeout",
+        "3",
+    ];
+    let mut env = sim_env(2);
+    env.push((
+        "KILN_CUDASIM_STATS".into(),
+        stats_file.display().to_string(),
+    ));
+    env.push((
+        "KILN_CUDASIM_NCCL_STALL".into(),
+        format!("0:{}", fault.display()),
+    ));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut server = Server::start_with_env(port, &args, &env);
+    let body = serde_json::json!({"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    // Healthy first: decode steps replay their graphs.
+    let (status, v) = server.post_json("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    // GPU 0 hangs from its next replayed collective on.
+    std::fs::write(&fault, b"").expect("fault file");
+    let t0 = Instant::now();
+    let answer = server.try_request("POST", "/v1/completions", &[], body.to_string().as_bytes());
+    let exit = loop {
+        if let Some(status) = server.child.try_wait().expect("wait for kiln serve") {
+            break status;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "kiln serve still running 120 s after GPU 0 hung (deadline 3 s)"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let took = t0.elapsed();
+    let _ = std::fs::remove_file(&fault);
+    eprintln!("GPU 0 hung: the request got {answer:?}; kiln serve exited ({exit}) after {took:?}");
+    assert_eq!(exit.code(), Some(70), "kiln serve must exit with status 70");
+    assert!(
+        took < Duration::from_secs(60),
+        "exit took {took:?} (deadline 3 s)"
+    );
+    // The request in flight got an error, or its connection closed with the process.
+    if let Ok((status, text)) = &answer {
+        assert!(
+            *status >= 500,
+            "the request in flight answered {status}: {text}"
+        );
+        assert!(text.contains("model step failed"), "{text}");
+    }
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats_file).expect("cudasim's stats file"))
+            .expect("stats json");
+    let _ = std::fs::remove_file(&stats_file);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(stats["graph_launches"].as_u64().unwrap_or(0) > 0, "{stats}");
+    // Rank 0 only ever waits in the injected hang, inside a replay: its own watchdog ended it.
+    assert!(
+        stats["nccl_aborted_waits"][0].as_u64().unwrap_or(0) >= 1,
+        "GPU 0's hung collective was never aborted: {stats}"
+    );
+}

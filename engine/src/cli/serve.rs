@@ -160,6 +160,10 @@ pub struct ServeArgs {
     /// records the crossover [default: 0].
     #[arg(long)]
     one_shot_allreduce_max_bytes: Option<u64>,
+    /// Seconds a tensor-parallel collective may wait for a stalled rank before the group fails
+    /// and kiln exits for its service manager to restart it whole [default: 120].
+    #[arg(long)]
+    tp_collective_timeout: Option<u64>,
     /// Seconds to let in-flight requests finish after SIGTERM [default: 30].
     #[arg(long)]
     shutdown_timeout: Option<u64>,
@@ -241,6 +245,7 @@ max-connections = 1024
 max-n = 16
 tensor-parallel-size = 1
 one-shot-allreduce-max-bytes = 0
+tp-collective-timeout = 120
 moe-split = "experts"
 shutdown-timeout = 30
 speculative-algorithm = "none"
@@ -449,6 +454,10 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
                 a.one_shot_allreduce_max_bytes,
             )?,
         },
+        collective_timeout: Duration::from_secs(positive_secs(
+            "tp-collective-timeout",
+            a.tp_collective_timeout,
+        )?),
         shutdown_timeout: Duration::from_secs(given("shutdown-timeout", a.shutdown_timeout)?),
         detok_overlap: !a.no_overlap,
         overlap_schedule: !a.disable_overlap_schedule,

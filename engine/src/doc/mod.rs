@@ -98,6 +98,9 @@ fn why(key: &str) -> &'static str {
         "one-shot-allreduce-max-bytes" => {
             "GPU: all-reduces up to this size run on the one-shot peer-to-peer kernel, larger on NCCL"
         }
+        "tp-collective-timeout" => {
+            "seconds a collective waits for a stalled rank before kiln exits to be restarted whole"
+        }
         "shutdown-timeout" => "seconds in-flight requests may finish after SIGTERM",
         "no-overlap" => "detokenize on the engine thread (off: overlapped with the next step)",
         "no-prefix-cache" => "prefill every prompt in full (no reuse of cached prefixes)",

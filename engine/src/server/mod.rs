@@ -38,9 +38,6 @@ use tokio::net::TcpListener;
 use crate::batching::{self, EngineConfig, EngineRequest, Event, RequestParams};
 use crate::runner::{self, KvSize, LoadSpec, ModelInfo, RunnerConfig};
 
-/// How long a tensor-parallel collective waits for a stalled rank before the group fails (a
-/// healthy step keeps every rank within milliseconds of the others).
-const TP_COLLECTIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 use crate::metrics::Metrics;
 use crate::sampling::SamplingParams;
 use error::ApiError;
@@ -215,7 +212,7 @@ async fn start_engine(state: Shared, model_id: String, notifier: Notifier) -> an
         precision: opts.precision,
         threads: opts.threads,
         tensor_parallel: opts.tensor_parallel,
-        collective_timeout: TP_COLLECTIVE_TIMEOUT,
+        collective_timeout: opts.collective_timeout,
         group: opts.group,
         moe_split: opts.moe_split,
         draft_model: opts.draft_model.clone(),

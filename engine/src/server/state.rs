@@ -56,6 +56,8 @@ pub struct ServeOptions {
     pub group: crate::parallel::GroupOptions,
     /// How tensor parallelism splits an MoE model's routed experts.
     pub moe_split: crate::parallel::MoeSplit,
+    /// How long a tensor-parallel collective waits for a stalled rank before the group fails.
+    pub collective_timeout: Duration,
     pub shutdown_timeout: Duration,
     pub instance: String,
     /// Detokenization off the engine thread, alongside the next step (`--no-overlap`: on it).
