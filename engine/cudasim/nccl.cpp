@@ -51,16 +51,21 @@ std::mutex& registry_lock = *new std::mutex;
 auto& groups = *new std::map<std::string, std::weak_ptr<Group>>;
 std::atomic<unsigned long> next_id{1};
 
+// How long a simulated collective waits for what nothing ends (KILN_CUDASIM_NCCL_WAIT_S).
+long wait_s() {
+    static const long s = [] {
+        const char* v = std::getenv("KILN_CUDASIM_NCCL_WAIT_S");
+        return v && std::atol(v) > 0 ? std::atol(v) : 600L;
+    }();
+    return s;
+}
+
 // Waits until all ranks have arrived. A rank that never comes leaves the collective, and so its
 // stream, waiting until this rank's ncclCommAbort (kiln's watchdog) ends it, as on a GPU: then,
 // when `abortable`, it returns false (the collective did not run) and leaves the count. Should
 // nothing abort it, the simulation gives up after KILN_CUDASIM_NCCL_WAIT_S seconds (default
 // 600) and ends the process saying so.
 bool barrier(Group& g, int rank, bool abortable) {
-    static const long wait_s = [] {
-        const char* v = std::getenv("KILN_CUDASIM_NCCL_WAIT_S");
-        return v && std::atol(v) > 0 ? std::atol(v) : 600L;
-    }();
     std::unique_lock<std::mutex> l(g.m);
     if (abortable && g.aborted[rank]) return false;  // queued behind the aborted one: never waits
     const unsigned long gen = g.gen;
@@ -71,7 +76,7 @@ bool barrier(Group& g, int rank, bool abortable) {
         return true;
     }
     const auto woken = [&] { return g.gen != gen || (abortable && g.aborted[rank]); };
-    if (!g.cv.wait_for(l, std::chrono::seconds(wait_s), woken))
+    if (!g.cv.wait_for(l, std::chrono::seconds(wait_s()), woken))
         sim::fatal("NCCL: a rank never arrived at a collective");
     if (g.gen != gen) return true;  // everyone came (an abort after that changes nothing)
     g.arrived--;                     // aborted while waiting: this rank leaves the meeting
@@ -103,19 +108,23 @@ bool supported(int type) { return type == kF32 || type == kI32 || type == kBF16;
 // KILN_CUDASIM_NCCL_STALL=RANK:FILE, a fault a test injects: while FILE exists, rank RANK's
 // collectives replayed from a graph never arrive (a hung GPU), until that rank's own abort.
 bool stalls(int rank) {
-    static const std::pair<int, std::string> fault = []() -> std::pair<int, std::string> {
+    // Never destroyed: stream workers may still ask while the process exits.
+    static const auto& fault = *new std::pair<int, std::string>([]() -> std::pair<int, std::string> {
         const char* v = std::getenv("KILN_CUDASIM_NCCL_STALL");
         const char* colon = v ? std::strchr(v, ':') : nullptr;
         if (!colon) return {-1, ""};
         return {std::atoi(v), std::string(colon + 1)};
-    }();
+    }());
     return rank == fault.first && sim::replaying && access(fault.second.c_str(), F_OK) == 0;
 }
 
-// The injected stall: waits for this rank's abort as a hung collective would.
+// The injected stall: waits for this rank's abort as a hung collective would (one queued behind
+// the aborted one returns at once, uncounted, as in barrier()).
 void stall(Group& g, int rank) {
     std::unique_lock<std::mutex> l(g.m);
-    g.cv.wait(l, [&] { return bool(g.aborted[rank]); });
+    if (g.aborted[rank]) return;
+    if (!g.cv.wait_for(l, std::chrono::seconds(wait_s()), [&] { return bool(g.aborted[rank]); }))
+        sim::fatal("NCCL: an injected stall was never aborted");
     l.unlock();
     sim::count_aborted_wait(rank);
 }

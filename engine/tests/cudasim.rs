@@ -599,15 +599,20 @@ fn gpu_peer_step_without_rank0(
 #[ignore = "runs inside a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging"]
 fn stalled_and_dead_gpu_ranks_on_the_simulated_gpus() {
     use std::time::Duration;
-    // A stalled rank 0: rank 1's watchdog aborts its NCCL communicator at the 3 s deadline
+    // A stalled rank 0: rank 1's watchdog aborts its NCCL communicator at the 5 s deadline
     // (which also bounds the ranks' meeting to join NCCL, hence not shorter on a loaded machine).
     let nccl = kiln::parallel::GroupOptions::default();
-    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(3), None, nccl);
+    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(5), None, nccl);
     eprintln!("stalled rank 0: rank 1's step failed after {took:?}: {e}");
     assert!(e.contains("waited"), "{e}");
     assert!(
-        took < Duration::from_secs(20),
+        took < Duration::from_secs(30),
         "the stalled step took {took:?}"
+    );
+    assert_eq!(
+        rank1_aborted_waits(1),
+        1,
+        "rank 1's all-reduce was not waiting when aborted"
     );
     // A dead rank 0 (failed 2 s into the step, when rank 1's all-reduce waits for it): the wait
     // ends on its failure, well before the 120 s deadline.
@@ -619,19 +624,43 @@ fn stalled_and_dead_gpu_ranks_on_the_simulated_gpus() {
         took < Duration::from_secs(30),
         "the step with a dead rank took {took:?}"
     );
+    assert_eq!(
+        rank1_aborted_waits(2),
+        2,
+        "rank 1's all-reduce was not waiting when aborted"
+    );
     // The one-shot kernel for the all-reduces (NCCL gathers the logits): a stalled rank 0 leaves
     // rank 1's kernel spinning on its flag until its own deadline (in clock cycles), which must
     // end it; a kernel that spun on would hold the stream, and the step, forever.
     let one_shot = kiln::parallel::GroupOptions {
         one_shot_max_bytes: 1 << 20,
     };
-    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(3), None, one_shot);
+    let (e, took) = gpu_peer_step_without_rank0(Duration::from_secs(5), None, one_shot);
     eprintln!("stalled rank 0, one-shot all-reduce: rank 1's step failed after {took:?}: {e}");
     assert!(e.contains("waited"), "{e}");
     assert!(
         took < Duration::from_secs(30),
         "the stalled one-shot step took {took:?}"
     );
+}
+
+/// Rank 1's collectives that were waiting when its own communicator was aborted, from cudasim's
+/// stats (`KILN_CUDASIM_STATS`), once they reach `expected` (the count is written by the stream's
+/// worker, which may finish after the step has failed) or 10 s have passed.
+fn rank1_aborted_waits(expected: u64) -> u64 {
+    let path = std::env::var("KILN_CUDASIM_STATS").expect("KILN_CUDASIM_STATS is set");
+    let read = || -> u64 {
+        std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["nccl_aborted_waits"][1].as_u64())
+            .unwrap_or(0)
+    };
+    let t0 = std::time::Instant::now();
+    while read() < expected && t0.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    read()
 }
 
 /// A failed or stalled rank must not hang the server: on the GPU a collective waits on its
@@ -688,25 +717,33 @@ fn a_stalled_or_dead_gpu_rank_fails_the_step_instead_of_hanging() {
             .expect("stats json");
     let _ = std::fs::remove_file(&stats_file);
     eprintln!("{text}");
-    let aborted = |rank: usize| stats["nccl_aborted_waits"][rank].as_u64().unwrap_or(0);
-    assert_eq!(aborted(0), 0, "rank 0 never called a collective: {stats}");
-    // Once in each NCCL case; the one-shot case adds the logits' gather when that was already
-    // waiting at the abort.
-    assert!(
-        (2..=3).contains(&aborted(1)),
-        "rank 1's all-reduce must have been waiting when its watchdog aborted: {stats}"
-    );
+    // The inner test checked rank 1's count case by case.
+    let rank0 = stats["nccl_aborted_waits"][0].as_u64().unwrap_or(0);
+    assert_eq!(rank0, 0, "rank 0 never called a collective: {stats}");
     let one_shot = stats["kernels"]["kiln_oneshot_allreduce_bf16"]
         .as_u64()
         .unwrap_or(0);
     assert!(one_shot > 0, "the one-shot kernel never ran: {stats}");
 }
 
-/// The production path of a hung GPU: `kiln serve` at TP = 2, decoding from CUDA graphs, when
-/// GPU 0 hangs inside a replayed graph (cudasim's injected fault `KILN_CUDASIM_NCCL_STALL`: its
-/// collectives stop arriving). A replayed graph's collectives have no host call to watch, so the
-/// ranks' watchdogs must hold the launches to `--tp-collective-timeout`, abort, fail the step and
-/// the request in it, and the process must exit with status 70 for its service manager, not hang.
+/// Removes its paths when dropped, so a failing test leaves no temporary files behind.
+struct RemoveOnDrop(Vec<PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+}
+
+/// The production path of a GPU rank whose collectives stop arriving: `kiln serve` at TP = 2,
+/// decoding from CUDA graphs, when GPU 0 hangs inside a replayed graph (cudasim's injected fault
+/// `KILN_CUDASIM_NCCL_STALL`, which the rank's own `ncclCommAbort` ends, as it ends a hung NCCL
+/// kernel). A replayed graph's collectives have no host call to watch, so the ranks' watchdogs
+/// must hold the launches to `--tp-collective-timeout`, abort, fail the step and the request in
+/// it with the reason, and the process must exit with status 70 for its service manager.
 #[test]
 fn a_gpu_hanging_in_a_replayed_graph_ends_the_server_for_its_service_manager() {
     use std::time::{Duration, Instant};
@@ -714,9 +751,12 @@ fn a_gpu_hanging_in_a_replayed_graph_ends_the_server_for_its_service_manager() {
     let tmp = std::env::temp_dir();
     let stats_file = tmp.join(format!("kiln-cudasim-hang-{}.json", std::process::id()));
     let fault = tmp.join(format!("kiln-cudasim-hang-{}.on", std::process::id()));
+    let _cleanup = RemoveOnDrop(vec![dir.clone(), stats_file.clone(), fault.clone()]);
     let _ = std::fs::remove_file(&fault);
     let port = free_port();
     let (port_arg, model_arg) = (port.to_string(), dir.display().to_string());
+    // A 10 s deadline: it also bounds the ranks' joining and every healthy step, which other
+    // tests running beside this one slow down.
     let args = [
         "--port",
         &port_arg,
@@ -731,7 +771,7 @@ fn a_gpu_hanging_in_a_replayed_graph_ends_the_server_for_its_service_manager() {
         "--tensor-parallel-size",
         "2",
         "--tp-collective-timeout",
-        "3",
+        "10",
     ];
     let mut env = sim_env(2);
     env.push((
@@ -742,6 +782,8 @@ fn a_gpu_hanging_in_a_replayed_graph_ends_the_server_for_its_service_manager() {
         "KILN_CUDASIM_NCCL_STALL".into(),
         format!("0:{}", fault.display()),
     ));
+    // Should the watchdogs never abort, the simulation ends the server instead of hanging.
+    env.push(("KILN_CUDASIM_NCCL_WAIT_S".into(), "100".into()));
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let mut server = Server::start_with_env(port, &args, &env);
     let body = serde_json::json!({"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
@@ -751,42 +793,53 @@ fn a_gpu_hanging_in_a_replayed_graph_ends_the_server_for_its_service_manager() {
     // GPU 0 hangs from its next replayed collective on.
     std::fs::write(&fault, b"").expect("fault file");
     let t0 = Instant::now();
-    let answer = server.try_request("POST", "/v1/completions", &[], body.to_string().as_bytes());
+    let port = server.port;
+    let client = std::thread::spawn(move || {
+        let probe = Server::request_on(
+            port,
+            "POST",
+            "/v1/completions",
+            &[],
+            body.to_string().as_bytes(),
+        );
+        probe.map_err(|e| e.to_string())
+    });
     let exit = loop {
         if let Some(status) = server.child.try_wait().expect("wait for kiln serve") {
             break status;
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "kiln serve still running 120 s after GPU 0 hung (deadline 3 s)"
+            t0.elapsed() < Duration::from_secs(150),
+            "kiln serve still running 150 s after GPU 0 hung (deadline 10 s)"
         );
         std::thread::sleep(Duration::from_millis(100));
     };
     let took = t0.elapsed();
-    let _ = std::fs::remove_file(&fault);
+    let answer = client.join().expect("client thread");
     eprintln!("GPU 0 hung: the request got {answer:?}; kiln serve exited ({exit}) after {took:?}");
     assert_eq!(exit.code(), Some(70), "kiln serve must exit with status 70");
     assert!(
-        took < Duration::from_secs(60),
-        "exit took {took:?} (deadline 3 s)"
+        took < Duration::from_secs(90),
+        "exit took {took:?} (deadline 10 s)"
     );
-    // The request in flight got an error, or its connection closed with the process.
+    // The request in flight got its error naming the cause (the server leaves it a moment to
+    // reach the client; a connection closed by the exit alone is tolerated on a loaded machine).
     if let Ok((status, text)) = &answer {
+        assert_eq!(*status, 500, "the request in flight answered: {text}");
         assert!(
-            *status >= 500,
-            "the request in flight answered {status}: {text}"
+            text.contains("model step failed") && text.contains("waited"),
+            "{text}"
         );
-        assert!(text.contains("model step failed"), "{text}");
     }
     let stats: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&stats_file).expect("cudasim's stats file"))
             .expect("stats json");
-    let _ = std::fs::remove_file(&stats_file);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(stats["graph_launches"].as_u64().unwrap_or(0) > 0, "{stats}");
-    // Rank 0 only ever waits in the injected hang, inside a replay: its own watchdog ended it.
-    assert!(
-        stats["nccl_aborted_waits"][0].as_u64().unwrap_or(0) >= 1,
-        "GPU 0's hung collective was never aborted: {stats}"
+    // Rank 0 only ever waits in the injected hang, inside a replay: its own watchdog ended it,
+    // once (the collectives queued behind it return uncounted).
+    assert_eq!(
+        stats["nccl_aborted_waits"][0].as_u64().unwrap_or(0),
+        1,
+        "GPU 0's hung collective must have been aborted: {stats}"
     );
 }

@@ -161,7 +161,9 @@ pub struct ServeArgs {
     #[arg(long)]
     one_shot_allreduce_max_bytes: Option<u64>,
     /// Seconds a tensor-parallel collective may wait for a stalled rank before the group fails
-    /// and kiln exits for its service manager to restart it whole [default: 120].
+    /// and kiln exits (status 70) for its service manager to restart it whole; it also bounds
+    /// the ranks' joining at start. Under a systemd watchdog it must be shorter than WatchdogSec
+    /// [default: 45].
     #[arg(long)]
     tp_collective_timeout: Option<u64>,
     /// Seconds to let in-flight requests finish after SIGTERM [default: 30].
@@ -245,7 +247,7 @@ max-connections = 1024
 max-n = 16
 tensor-parallel-size = 1
 one-shot-allreduce-max-bytes = 0
-tp-collective-timeout = 120
+tp-collective-timeout = 45
 moe-split = "experts"
 shutdown-timeout = 30
 speculative-algorithm = "none"
@@ -296,6 +298,28 @@ fn positive_secs(name: &str, v: Option<u64>) -> anyhow::Result<u64> {
     match given(name, v)? {
         0 => anyhow::bail!("--{name} must be at least 1 second"),
         x => Ok(x),
+    }
+}
+
+/// `--tp-collective-timeout`, checked against the service's watchdog: a stalled rank must fail
+/// its step (answering the requests in it, then exiting 70) before systemd's watchdog kills a
+/// process whose engine stopped turning.
+fn collective_timeout(secs: Option<u64>, watchdog: Option<Duration>) -> anyhow::Result<Duration> {
+    let secs = positive_secs("tp-collective-timeout", secs)?;
+    if secs > 86_400 {
+        anyhow::bail!(
+            "--tp-collective-timeout must be at most 86400 seconds (one day), not {secs}"
+        );
+    }
+    let timeout = Duration::from_secs(secs);
+    match watchdog {
+        Some(w) if timeout >= w => anyhow::bail!(
+            "--tp-collective-timeout ({secs} s) must be shorter than the service's watchdog \
+             (WatchdogSec = {} s): a stalled rank must fail its step and exit for a restart \
+             before the watchdog kills the process; lower it or raise WatchdogSec",
+            w.as_secs()
+        ),
+        _ => Ok(timeout),
     }
 }
 
@@ -454,10 +478,11 @@ fn resolve(a: ServeArgs) -> anyhow::Result<ServeOptions> {
                 a.one_shot_allreduce_max_bytes,
             )?,
         },
-        collective_timeout: Duration::from_secs(positive_secs(
-            "tp-collective-timeout",
+        // Only a group waits on collectives: one rank never meets the deadline.
+        collective_timeout: collective_timeout(
             a.tp_collective_timeout,
-        )?),
+            watchdog.filter(|_| a.tensor_parallel_size.unwrap_or(1) > 1),
+        )?,
         shutdown_timeout: Duration::from_secs(given("shutdown-timeout", a.shutdown_timeout)?),
         detok_overlap: !a.no_overlap,
         overlap_schedule: !a.disable_overlap_schedule,
@@ -639,6 +664,22 @@ pub fn run(flags: ServeArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_collective_timeout_must_fit_under_the_service_watchdog() {
+        let secs = Duration::from_secs;
+        assert_eq!(
+            collective_timeout(Some(45), Some(secs(60))).ok(),
+            Some(secs(45))
+        );
+        assert_eq!(collective_timeout(Some(300), None).ok(), Some(secs(300)));
+        let e = collective_timeout(Some(60), Some(secs(60))).expect_err("not under the watchdog");
+        assert!(e.to_string().contains("WatchdogSec = 60 s"), "{e}");
+        let e = collective_timeout(Some(0), None).expect_err("zero");
+        assert!(e.to_string().contains("--tp-collective-timeout"), "{e}");
+        let e = collective_timeout(Some(u64::MAX), None).expect_err("huge");
+        assert!(e.to_string().contains("at most 86400"), "{e}");
+    }
 
     #[test]
     fn flags_win_over_the_file_and_unknown_keys_are_errors() {

@@ -117,7 +117,10 @@ fn rule(flag: &str) -> Option<(Rule, bool)> {
             false,
         ),
         "watchdog-timeout" => (
-            NotNeeded("kiln's watchdog is systemd's (WatchdogSec; the NixOS module sets it)"),
+            NotNeeded(
+                "kiln's watchdog is systemd's (WatchdogSec; the NixOS module sets it); a stalled \
+                 tensor-parallel rank fails its step after --tp-collective-timeout",
+            ),
             true,
         ),
         "api-key" => (

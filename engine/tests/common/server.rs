@@ -105,7 +105,18 @@ impl Server {
         headers: &[&str],
         body: &[u8],
     ) -> std::io::Result<(u16, String)> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
+        Server::request_on(self.port, method, path, headers, body)
+    }
+
+    /// `try_request` to the server on `port`, without holding it (from another thread).
+    pub fn request_on(
+        port: u16,
+        method: &str,
+        path: &str,
+        headers: &[&str],
+        body: &[u8],
+    ) -> std::io::Result<(u16, String)> {
+        let mut s = TcpStream::connect(("127.0.0.1", port))?;
         s.set_read_timeout(Some(Duration::from_secs(300)))?;
         let mut head = format!(
             "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n",
