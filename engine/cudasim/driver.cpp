@@ -141,6 +141,11 @@ void wait_for_legacy_stream(int device) {
     wait_until([=] { return device_idle(device, true); });
 }
 
+// Until every stream of the device has run what it was given.
+static void wait_for_device(int device) {
+    wait_until([=] { return device_idle(device, false); });
+}
+
 // KILN_CUDASIM_STREAM_DELAY_US: each stream waits this long before every item, so the host gets
 // well ahead of its streams and a missing host wait reads stale data instead of, by luck, data
 // the worker already wrote (a race hunt; 0 by default).
@@ -505,8 +510,7 @@ API Result cuCtxGetDevice(CUdevice* d) {
 API Result cuCtxSynchronize() {
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
     if (!sim::current) return sim::kInvalidContext;
-    const int device = sim::current->device;
-    sim::wait_until([=] { return sim::device_idle(device, false); });
+    sim::wait_for_device(sim::current->device);
     return sim::kSuccess;
 }
 
@@ -544,7 +548,7 @@ API Result cuMemFree_v2(CUdeviceptr p) {
     if (sim::breaks_capture(nullptr)) return sim::kCaptureUnsupported;
     const int device = device_of(p);
     if (device < 0) return p == 0 ? sim::kSuccess : sim::kInvalidValue;
-    sim::wait_until([=] { return sim::device_idle(device, false); });
+    sim::wait_for_device(device);
     return unmap_buffer(p);
 }
 
@@ -570,8 +574,7 @@ API Result cuMemAllocHost_v2(void** p, size_t bytes) {
 API Result cuMemHostAlloc(void** p, size_t bytes, unsigned) { return cuMemAllocHost_v2(p, bytes); }
 // Queued copies may still use the pinned buffer: wait for every device's work first.
 static void wait_all_devices() {
-    for (int d = 0; d < sim::device_count(); d++)
-        sim::wait_until([d] { return sim::device_idle(d, false); });
+    for (int d = 0; d < sim::device_count(); d++) sim::wait_for_device(d);
 }
 
 API Result cuMemFreeHost(void* p) {
@@ -604,8 +607,9 @@ static Result pageable_in_capture(CUstream s) {
 // From pageable memory the driver stages the source before it returns; from pinned memory the
 // copy reads it when the stream gets there.
 API Result cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-    if (sim::capturing(s) && !pinned(src, n)) return pageable_in_capture(s);
-    if (pinned(src, n)) {
+    const bool pinned_src = pinned(src, n);
+    if (sim::capturing(s) && !pinned_src) return pageable_in_capture(s);
+    if (pinned_src) {
         copy_on(s, reinterpret_cast<void*>(dst), src, n);
         return sim::kSuccess;
     }
@@ -617,9 +621,13 @@ API Result cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUst
 }
 // To pageable memory the call returns once the copy is done; to pinned memory, at once.
 API Result cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
-    if (sim::capturing(s) && !pinned(dst, n)) return pageable_in_capture(s);
+    if (pinned(dst, n)) {
+        copy_on(s, dst, reinterpret_cast<const void*>(src), n);
+        return sim::kSuccess;
+    }
+    if (sim::capturing(s)) return pageable_in_capture(s);
     copy_on(s, dst, reinterpret_cast<const void*>(src), n);
-    if (s && !sim::capturing(s) && !pinned(dst, n)) sim::wait_for(s, sim::queued_on(s));
+    if (s) sim::wait_for(s, sim::queued_on(s));
     return sim::kSuccess;
 }
 API Result cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {

@@ -528,8 +528,7 @@ fn gpu_peer_step_without_rank0(
     fail_after: Option<std::time::Duration>,
     group: kiln::parallel::GroupOptions,
 ) -> (String, std::time::Duration) {
-    use kiln::backend::{Precision, SeqSpan};
-    use kiln::model::ForwardBatch;
+    use kiln::backend::Precision;
     use kiln::parallel::{PeerConfig, ThreadComm, TpPeers};
     use kiln::runner::Device;
 
@@ -559,23 +558,8 @@ fn gpu_peer_step_without_rank0(
     };
     let peers = TpPeers::spawn(cfg, comms).expect("rank 1 joins and loads");
     peers.size_caches(4).expect("rank 1 sizes its cache");
-    let table = [0u32];
-    let spans = [SeqSpan {
-        first_token: 0,
-        n_tokens: 2,
-        start_pos: 0,
-        block_table: &table,
-        tree: None,
-    }];
-    let batch = ForwardBatch {
-        tokens: &[1, 2],
-        positions: &[0, 1],
-        spans: &spans,
-        logit_rows: &[1],
-        fill: None,
-    };
     let t0 = std::time::Instant::now();
-    peers.submit(&batch).expect("submit");
+    common::submit_two_token_step(&peers);
     if let Some(after) = fail_after {
         std::thread::sleep(after);
         orders.send(Rank0::Fail).expect("rank 0's holder");

@@ -242,8 +242,6 @@ fn peer_config(model: PathBuf) -> kiln::parallel::PeerConfig {
 
 #[test]
 fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
-    use kiln::backend::SeqSpan;
-    use kiln::model::ForwardBatch;
     use kiln::parallel::{ThreadComm, TpPeers};
 
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama3");
@@ -260,23 +258,8 @@ fn a_peer_whose_group_stalls_fails_its_step_instead_of_hanging() {
     let mut comms = ThreadComm::group(2, Duration::from_millis(500));
     let peers = TpPeers::spawn(cfg(dir), comms.split_off(1)).expect("peer loads");
     peers.size_caches(4).expect("peer sizes its cache");
-    let table = [0u32];
-    let spans = [SeqSpan {
-        first_token: 0,
-        n_tokens: 2,
-        start_pos: 0,
-        block_table: &table,
-        tree: None,
-    }];
-    let batch = ForwardBatch {
-        tokens: &[1, 2],
-        positions: &[0, 1],
-        spans: &spans,
-        logit_rows: &[1],
-        fill: None,
-    };
     let t0 = std::time::Instant::now();
-    peers.submit(&batch).expect("submit");
+    common::submit_two_token_step(&peers);
     let e = peers.collect().expect_err("the stalled group must fail");
     assert!(e.to_string().contains("waited"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(20));

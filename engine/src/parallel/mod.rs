@@ -20,15 +20,6 @@ pub use shard::{MoeSplit, Shard, ShardPlan};
 pub use threads::{GroupHealth, ThreadComm};
 pub use watchdog::{Completion, Watchdog};
 
-/// The ranks a timed-out collective waited for, when it knows them (NCCL does not say).
-fn missing_ranks(missing: &[usize]) -> String {
-    if missing.is_empty() {
-        String::new()
-    } else {
-        format!(" (rank(s) {missing:?} never arrived)")
-    }
-}
-
 use std::time::Duration;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -53,6 +44,15 @@ pub enum CommError {
         expected: usize,
         got: usize,
     },
+}
+
+/// The ranks a timed-out collective waited for, when it knows them (NCCL does not say).
+fn missing_ranks(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        String::new()
+    } else {
+        format!(" (rank(s) {missing:?} never arrived)")
+    }
 }
 
 /// How a group's device collectives are set up (from `kiln serve`'s flags, or the lock).

@@ -50,10 +50,8 @@ impl Watchdog {
             .spawn(move || {
                 setup();
                 if let Some(e) = watch(&health, &rx) {
-                    // The verdict first: aborting ends the stuck kernels, and a step that ends
-                    // in that moment must already see why (not return what they left behind).
-                    // The verdict before the group hears of it: a step that sees the group
-                    // down then finds why.
+                    // The verdict first, before the group hears of it and before aborting ends
+                    // the stuck kernels: a step that sees either must already find why.
                     let own = !matches!(e, CommError::PeerFailed { .. });
                     *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     if own {

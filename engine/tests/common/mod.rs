@@ -15,6 +15,27 @@ pub mod server;
 #[allow(dead_code)]
 pub mod steps;
 
+/// Hands `peers` one step: a two-token prefill of one sequence in KV block 0 (what the
+/// tensor-parallel failure tests need to bring the peers to their first collective).
+pub fn submit_two_token_step(peers: &kiln::parallel::TpPeers) {
+    let table = [0u32];
+    let spans = [SeqSpan {
+        first_token: 0,
+        n_tokens: 2,
+        start_pos: 0,
+        block_table: &table,
+        tree: None,
+    }];
+    let batch = ForwardBatch {
+        tokens: &[1, 2],
+        positions: &[0, 1],
+        spans: &spans,
+        logit_rows: &[1],
+        fill: None,
+    };
+    peers.submit(&batch).expect("submit");
+}
+
 /// The cached model file; fails with the command that fetches it (these tests need real weights).
 pub fn model_path(entry: &CatalogEntry) -> PathBuf {
     let cache = match std::env::var_os("KILN_CACHE_DIR") {
