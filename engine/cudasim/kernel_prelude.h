@@ -59,6 +59,7 @@ struct Barrier {
 struct WarpState {
     Barrier barrier;
     uint64_t slot[32];
+    uint32_t mma_fragments[32][6];  // each lane's A (4 words) and B (2 words) of an mma.sync
 };
 
 struct BlockState {
@@ -310,6 +311,43 @@ inline float warp_butterfly(float v, Op op) {
     const float r = from_bits<float>(w.slot[current->lane]);
     sync_warp();  // no lane publishes again before every lane has read its result
     return r;
+}
+
+// One bf16 of a 32-bit word holding two (element e: 0 the low half, 1 the high) as f32.
+inline float bf16_half(uint32_t word, unsigned e) {
+    return from_bits<float>((uint64_t)((e ? word >> 16 : word & 0xffffu) << 16));
+}
+
+// PTX's mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 with D = C (d += A B) for the whole
+// warp: every lane publishes its A words (4) and B words (2) at one warp barrier, then computes
+// its own four D values from the gathered 16x16 A and 16x8 B, each fragment read where the PTX
+// ISA puts it ("Matrix Fragments for mma.m16n8k16 with floating point type"; lane l, g = l / 4,
+// t = l % 4: A word r holds row g + 8 (r % 2), columns 2t + 8 (r / 2) and the next; B word r
+// rows 2t + 8r and the next of column g; D value r row g + 8 (r / 2), column 2t + r % 2). A
+// kernel that puts a value in the wrong register gets the wrong product here, as on a GPU. The
+// products are exact in f32 and summed in k order; a tensor core's order and rounding are its
+// own, so results agree to f32 rounding, not bit for bit.
+inline void mma_bf16_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    auto& w = block->warps[current->warp];
+    if (w.barrier.live != 32) fail("mma.sync with lanes of its warp absent or returned (undefined on a GPU)");
+    const unsigned lane = current->lane;
+    for (int r = 0; r < 4; r++) w.mma_fragments[lane][r] = a[r];
+    for (int r = 0; r < 2; r++) w.mma_fragments[lane][4 + r] = b[r];
+    sync_warp();
+    const auto a_at = [&](unsigned row, unsigned k) {
+        return bf16_half(w.mma_fragments[(row % 8) * 4 + (k % 8) / 2][row / 8 + 2 * (k / 8)], k % 2);
+    };
+    const auto b_at = [&](unsigned k, unsigned n) {
+        return bf16_half(w.mma_fragments[n * 4 + (k % 8) / 2][4 + k / 8], k % 2);
+    };
+    const unsigned g = lane / 4, t = lane % 4;
+    for (unsigned r = 0; r < 4; r++) {
+        const unsigned row = g + 8 * (r / 2), col = 2 * t + r % 2;
+        float s = d[r];
+        for (unsigned k = 0; k < 16; k++) s += a_at(row, k) * b_at(k, col);
+        d[r] = s;
+    }
+    sync_warp();  // no lane publishes its next fragments before every lane has read these
 }
 
 }  // namespace kilnsim

@@ -194,13 +194,33 @@ fn fixture_models(file: &str) -> Vec<serde_json::Value> {
 
 /// Every kernel against its CPU reference, every op of the CUDA backend against the CPU backend,
 /// the NCCL sweep's code path and the one-shot all-reduce kernel's protocol over 4 ranks: what
-/// `kiln gpu-check` runs on a lent GPU, here on the simulated one.
+/// `kiln gpu-check` runs on a lent GPU, here on the simulated one. Both packed-weight kernels
+/// (FMAs and the tensor cores' mma.sync, which cudasim computes from the fragments where the
+/// PTX ISA puts them) must have run, dense and grouped.
 #[test]
 fn gpu_check_passes_on_the_simulated_gpu() {
+    let stats = std::env::temp_dir().join(format!(
+        "kiln-cudasim-gpu-check-{}.json",
+        std::process::id()
+    ));
     let out = kiln_on_sim(1)
         .args(["gpu-check", "--skip-moe-layer", "--seed", "7"])
+        .env("KILN_CUDASIM_STATS", &stats)
         .output()
         .expect("run kiln gpu-check");
+    let counts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap_or_default())
+            .unwrap_or_default();
+    let _ = std::fs::remove_file(&stats);
+    for kernel in [
+        "kiln_packed_matmul_bf16",
+        "kiln_packed_mma_bf16",
+        "kiln_moe_matmul_bf16",
+        "kiln_moe_mma_bf16",
+    ] {
+        let launched = counts["kernels"][kernel].as_u64().unwrap_or(0);
+        assert!(launched > 0, "{kernel} never ran: {counts}");
+    }
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -215,7 +235,7 @@ fn gpu_check_passes_on_the_simulated_gpu() {
         .lines()
         .filter(|l| l.trim_end().ends_with("  pass"))
         .count();
-    assert!(passed >= 86, "only {passed} cases passed:\n{text}");
+    assert!(passed >= 95, "only {passed} cases passed:\n{text}");
     assert!(!text.contains("FAIL"), "{text}");
     assert!(text.contains("every sum bit-exact"), "{text}");
 }

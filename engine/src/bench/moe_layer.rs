@@ -52,6 +52,8 @@ impl MoeLayerShape {
 /// One batch size's timing.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct MoeLayerPoint {
+    /// Which expert kernel ran (the caller's label: a backend may offer several).
+    pub kernel: String,
     pub batch: usize,
     /// Mean wall time of one layer's routed experts (routing through the weighted sum).
     pub seconds: f64,
@@ -65,13 +67,15 @@ pub struct MoeLayerPoint {
 
 /// Times `shape`'s routed experts on `b` at each batch size: random Q4_0 experts (one random
 /// expert's bytes stored `n_experts` times over, so the host holds one), random router logits,
-/// `iters` timed steps after two untimed ones, each step's work waited for.
+/// `iters` timed steps after two untimed ones, each step's work waited for. `kernel` labels the
+/// points.
 pub fn measure<B: Backend>(
     b: &B,
     shape: MoeLayerShape,
     batches: &[usize],
     iters: usize,
     seed: u64,
+    kernel: &str,
 ) -> Result<Vec<MoeLayerPoint>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (h, i) = (shape.hidden, shape.inter);
@@ -121,6 +125,7 @@ pub fn measure<B: Backend>(
         let seconds = start.elapsed().as_secs_f64() / iters.max(1) as f64;
         let bytes_read = experts_read * shape.expert_bytes();
         points.push(MoeLayerPoint {
+            kernel: kernel.to_string(),
             batch: n,
             seconds,
             tokens_per_second: n as f64 / seconds,
@@ -171,12 +176,13 @@ fn upload<B: Backend>(b: &B, rows: usize, cols: usize, values: &[f32]) -> Result
 /// it is known.
 pub fn render(points: &[MoeLayerPoint], read_bandwidth: Option<f64>) -> String {
     let mut s = String::from(
-        "| batch | experts read | MB read | us / layer | tok/s | GB/s | roofline tok/s | of roofline |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| kernel | batch | experts read | MB read | us / layer | tok/s | GB/s | roofline tok/s | of roofline |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for p in points {
         let roofline = read_bandwidth.map(|bw| p.batch as f64 * bw / p.bytes_read as f64);
         s += &format!(
-            "| {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {} | {} |\n",
+            "| {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {} | {} |\n",
+            p.kernel,
             p.batch,
             p.experts_read,
             p.bytes_read as f64 / 1e6,
@@ -209,7 +215,7 @@ mod tests {
             inter: 32,
         };
         let cpu = CpuBackend::with_threads(2);
-        let points = measure(&cpu, shape, &[1, 8], 2, 7).expect("measured");
+        let points = measure(&cpu, shape, &[1, 8], 2, 7, "cpu").expect("measured");
         assert_eq!(points[0].experts_read, 4);
         assert_eq!(points[0].bytes_read, 4 * shape.expert_bytes());
         assert!(points[1].experts_read >= 4 && points[1].experts_read <= 16);
@@ -219,6 +225,6 @@ mod tests {
                 .all(|p| p.seconds > 0.0 && p.tokens_per_second > 0.0)
         );
         let table = render(&points, Some(1e11));
-        assert!(table.contains("| 1 | 4 |"), "{table}");
+        assert!(table.contains("| cpu | 1 | 4 |"), "{table}");
     }
 }

@@ -24,6 +24,7 @@ use super::experts::{CudaExperts, MoeScratch};
 use super::gpu::Gpu;
 use super::graphs::{GraphMode, Graphs};
 use super::latent::CudaHeadMatrices;
+use super::packed_kernel::{KernelOverride, PackedKernel};
 use super::sample::{DeviceDraw, Draws};
 use super::staging::Staging;
 use crate::backend::{
@@ -253,6 +254,9 @@ pub struct CudaBackend {
     pub(super) graphs: Arc<Mutex<Graphs>>,
     /// Replaying a graph: ops stage their inputs and launch nothing (read on every launch).
     pub(super) replaying: AtomicBool,
+    /// A packed-weight kernel forced for every matmul (`kiln gpu-check`'s timings), or the
+    /// rule's choice (packed_kernel.rs).
+    pub(super) packed_kernel: KernelOverride,
     /// The tensor-parallel group's watch on graph replays (their collectives are the graph's),
     /// once this rank has joined a group over NCCL.
     pub(super) replay_watch: Mutex<Option<super::ReplayWatch>>,
@@ -426,9 +430,16 @@ impl CudaBackend {
             staging: Mutex::new(staging),
             graphs: Arc::new(Mutex::new(Graphs::default())),
             replaying: AtomicBool::new(false),
+            packed_kernel: KernelOverride::default(),
             replay_watch: Mutex::new(None),
             draws: Mutex::new(Draws::default()),
         })
+    }
+
+    /// Forces `kernel` for every matmul over packed weights at decode sizes (`None`: the
+    /// rule in packed_kernel.rs chooses), so the two can be timed side by side.
+    pub fn force_packed_kernel(&self, kernel: Option<PackedKernel>) {
+        self.packed_kernel.set(kernel);
     }
 
     /// Enqueues a launch, unless a graph replay is only staging its inputs (the graph holds

@@ -6,6 +6,7 @@ use cudarc::driver::{CudaViewMut, PushKernelArg};
 use half::bf16;
 
 use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, PackedFormat, Weights, cfg, dev};
+use super::packed_kernel::PackedKernel;
 use crate::error::{Error, Result};
 use crate::weights::{DType, TensorView};
 
@@ -140,7 +141,8 @@ impl CudaBackend {
         })
     }
 
-    /// `out = x · wᵀ` for a packed `w` of `rows x cols` (`out` already shaped `[x.rows, rows]`).
+    /// `out = x · wᵀ` for a packed `w` of `rows x cols` (`out` already shaped `[x.rows, rows]`),
+    /// at decode sizes (up to 32 tokens): with FMAs or on the tensor cores (packed_kernel.rs).
     pub(super) fn packed_matmul(
         &self,
         x: &CudaBuffer,
@@ -150,20 +152,23 @@ impl CudaBackend {
         cols: usize,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        /// As dequant.cu's KILN_PACKED_TOKENS and KILN_PACKED_WARPS.
-        const TOKENS: usize = 8;
-        const WARPS: usize = 8;
         if x.cols != cols || out.rows != x.rows || out.cols != rows {
             return Err(Error::Device(format!(
                 "packed matmul: x [{}, {}], out [{}, {}] for a [{rows}, {cols}] matrix",
                 x.rows, x.cols, out.rows, out.cols
             )));
         }
+        // Rows per thread block and tokens per pass of each kernel: dequant.cu's
+        // KILN_PACKED_WARPS and KILN_PACKED_TOKENS (a warp a row), packed_mma.cu's 16 rows and
+        // KILN_MMA_TOKENS.
+        let kernel = self.packed_kernel.choose(x.rows as f64);
+        let (name, block_rows, threads) = match kernel {
+            PackedKernel::Fma => ("kiln_packed_matmul_bf16", 8, 32 * 8),
+            PackedKernel::TensorCores => ("kiln_packed_mma_bf16", 16, 32 * 8),
+        };
         let (format_i, width, row_bytes) = format.kernel_args(cols);
         let (rows_i, cols_i, n_i) = (rows as i32, cols as i32, x.rows as i32);
-        let mut b = self
-            .stream()
-            .launch_builder(self.f("kiln_packed_matmul_bf16")?);
+        let mut b = self.stream().launch_builder(self.f(name)?);
         b.arg(w)
             .arg(&format_i)
             .arg(&width)
@@ -173,14 +178,19 @@ impl CudaBackend {
             .arg(&x.data)
             .arg(&n_i)
             .arg(&mut out.data);
-        // SAFETY: as dequant.cu declares: `w` holds rows * row_bytes bytes (checked when it was
-        // uploaded), x at least x.rows * cols values, out x.rows * rows; one warp per row.
+        // SAFETY: as dequant.cu and packed_mma.cu declare (the same arguments): `w` holds
+        // rows * row_bytes bytes (checked when it was uploaded; packed rows hold whole 32-value
+        // blocks), x at least x.rows * cols values, out x.rows * rows.
         unsafe {
             self.launch(
                 &mut b,
                 cfg(
-                    (rows.div_ceil(WARPS), x.rows.div_ceil(TOKENS), 1),
-                    32 * WARPS,
+                    (
+                        rows.div_ceil(block_rows),
+                        x.rows.div_ceil(kernel.tile_tokens()),
+                        1,
+                    ),
+                    threads,
                     0,
                 ),
                 "packed matmul launch",

@@ -1,6 +1,8 @@
 //! Mixture-of-experts on the GPU with no trip to the host per layer: the router's choice
 //! (`kiln_moe_route`), the (token, expert) pairs grouped by expert (`kiln_moe_group`), the grouped
-//! expert matmuls over the experts' weights as stored (`kiln_moe_matmul_bf16`) and the weighted
+//! expert matmuls over the experts' weights as stored (`kiln_moe_matmul_bf16` with FMAs, or
+//! `kiln_moe_mma_bf16` on the tensor cores once the picked experts serve several tokens each:
+//! packed_kernel.rs) and the weighted
 //! sum back into each token (`kiln_moe_combine`). The experts this rank holds are stacked into one
 //! allocation per projection, so a launch reaches every expert.
 //!
@@ -12,14 +14,13 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, Weights, cfg, dev, int};
 use super::graphs::GraphMode;
+use super::packed_kernel::{PackedKernel, tokens_per_picked_expert};
 use crate::backend::{Backend, ExpertTensors, Precision, RouteSpec};
 use crate::bench::moe_layer::{self, MoeLayerPoint, MoeLayerShape};
 use crate::error::{Error, Result};
 
-/// As moe.cu's KILN_MOE_THREADS and dequant.cu's KILN_PACKED_TOKENS and KILN_PACKED_WARPS.
+/// As moe.cu's KILN_MOE_THREADS.
 const MOE_THREADS: usize = 256;
-const TILE_TOKENS: usize = 8;
-const WARPS: usize = 8;
 /// The routing kernel's fixed arrays (groups, experts per token).
 const MAX_GROUPS: usize = 64;
 const MAX_TOP_K: usize = 64;
@@ -44,10 +45,10 @@ pub struct CudaExperts {
     hidden: usize,
 }
 
-/// The most tiles `pairs` pairs over `n_local` experts can take: a partial run per expert at
-/// most, whole runs for the rest.
-pub fn max_tiles(pairs: usize, n_local: usize) -> usize {
-    pairs.div_ceil(TILE_TOKENS) + n_local.min(pairs)
+/// The most tiles (runs of at most `tile_tokens` positions) `pairs` pairs over `n_local`
+/// experts can take: a partial run per expert at most, whole runs for the rest.
+pub fn max_tiles(pairs: usize, n_local: usize, tile_tokens: usize) -> usize {
+    pairs.div_ceil(tile_tokens) + n_local.min(pairs)
 }
 
 /// Checks that the device kernels cover a routing shape, naming what they do not.
@@ -194,7 +195,15 @@ impl CudaBackend {
         let ids = self.grown(ids, pairs, "the MoE routing scratch")?;
         let weights = self.grown(weights, pairs, "the MoE routing scratch")?;
         self.route(spec, correction_bias, logits, ids, weights)?;
-        let groups = self.group(groups, ids, pairs, experts)?;
+        // The tensor cores once the picked experts serve enough tokens each (their kernel
+        // takes whole 32-value blocks); the grouping's runs are that kernel's tiles.
+        let kernel = match self.packed_kernel.choose(tokens_per_picked_expert(n, k, e)) {
+            PackedKernel::TensorCores if hidden.is_multiple_of(32) && inter.is_multiple_of(32) => {
+                PackedKernel::TensorCores
+            }
+            _ => PackedKernel::Fma,
+        };
+        let groups = self.group(groups, ids, pairs, experts, kernel.tile_tokens())?;
 
         // cuBLASLt's views of an expert's run start 256-byte aligned only where both widths
         // are multiples of 128 (every MoE model's are; tiny test models' need not be).
@@ -203,10 +212,10 @@ impl CudaBackend {
         let graphed = !matches!(self.graph_mode()?, GraphMode::Eager);
         if pairs <= DEVICE_GROUPED_MAX_PAIRS || !aligned || graphed {
             self.shape(gu, pairs, 2 * inter)?;
-            self.grouped_matmul(gate_up, h, k, &groups, pairs, gu)?;
+            self.grouped_matmul(gate_up, h, k, &groups, pairs, kernel, gu)?;
             self.silu_mul(gu, act)?;
             self.shape(y, pairs, hidden)?;
-            self.grouped_matmul(down, act, 0, &groups, pairs, y)?;
+            self.grouped_matmul(down, act, 0, &groups, pairs, kernel, y)?;
         } else {
             // Only this layer's counts: the slot may be longer (another layer held more experts).
             let offsets = self
@@ -277,9 +286,10 @@ impl CudaBackend {
         ids: &CudaSlice<i32>,
         pairs: usize,
         experts: &CudaExperts,
+        tile_tokens: usize,
     ) -> Result<Groups<'s>> {
         let n_local = experts.n_local;
-        let tiles_max = max_tiles(pairs, n_local);
+        let tiles_max = max_tiles(pairs, n_local, tile_tokens);
         let what = "the MoE grouping scratch";
         let GroupSlots {
             pair_of_pos,
@@ -300,7 +310,7 @@ impl CudaBackend {
             int(pairs),
             int(experts.first),
             int(n_local),
-            int(TILE_TOKENS),
+            int(tile_tokens),
             int(tiles_max),
         ];
         let mut b = self.stream().launch_builder(self.f("kiln_moe_group")?);
@@ -326,7 +336,9 @@ impl CudaBackend {
     }
 
     /// `out[pos] = W_e x[src(pos)]` for every held pair's sorted position (the decode path):
-    /// `gather_k` > 0 reads the pair's token row of `x`, 0 reads row `pos`.
+    /// `gather_k` > 0 reads the pair's token row of `x`, 0 reads row `pos`. `kernel` is the one
+    /// the grouping's tiles were cut for.
+    #[allow(clippy::too_many_arguments)]
     fn grouped_matmul(
         &self,
         w: &CudaMatrix,
@@ -334,6 +346,7 @@ impl CudaBackend {
         gather_k: usize,
         groups: &Groups,
         pairs: usize,
+        kernel: PackedKernel,
         out: &mut CudaBuffer,
     ) -> Result<()> {
         let (rows, cols) = (out.cols, x.cols);
@@ -343,11 +356,15 @@ impl CudaBackend {
                 x.rows, out.rows, w.cols
             )));
         }
+        // Rows per thread block of each kernel: dequant.cu's KILN_PACKED_WARPS (a warp a row),
+        // packed_mma.cu's 16; both run 8 warps.
+        let (name, block_rows) = match kernel {
+            PackedKernel::Fma => ("kiln_moe_matmul_bf16", 8),
+            PackedKernel::TensorCores => ("kiln_moe_mma_bf16", 16),
+        };
         let (format, width, row_bytes) = w.row_kernel_args();
         let (rows_i, cols_i, k_i) = (int(rows), int(cols), int(gather_k));
-        let mut b = self
-            .stream()
-            .launch_builder(self.f("kiln_moe_matmul_bf16")?);
+        let mut b = self.stream().launch_builder(self.f(name)?);
         w.push_rows(&mut b);
         b.arg(&format)
             .arg(&width)
@@ -360,13 +377,14 @@ impl CudaBackend {
             .arg(&*groups.tiles)
             .arg(&*groups.n_tiles)
             .arg(&mut out.data);
-        // SAFETY: as dequant.cu declares: the stacked weights hold n_local * rows rows (the tiles
-        // name local experts), x's rows are the pairs' tokens or positions, out holds a row of
-        // `rows` per position; blocks past n_tiles return at once.
+        // SAFETY: as dequant.cu and packed_mma.cu declare (the same arguments; the tiles were
+        // cut for this kernel): the stacked weights hold n_local * rows rows (the tiles name
+        // local experts), x's rows are the pairs' tokens or positions, out holds a row of `rows`
+        // per position; blocks past n_tiles return at once.
         unsafe {
             self.launch(
                 &mut b,
-                cfg((rows.div_ceil(WARPS), groups.max_tiles, 1), 32 * WARPS, 0),
+                cfg((rows.div_ceil(block_rows), groups.max_tiles, 1), 32 * 8, 0),
                 "grouped expert matmul launch",
             )
         }
@@ -496,10 +514,29 @@ pub struct MoeScratch {
 }
 
 /// Kimi-K2's routed experts (one layer, 384 INT4 experts, 8 a token) timed on GPU 0 at batch 1
-/// and 64 (`kiln gpu-check`), with the GPU's peak read bandwidth where the driver reports it.
+/// to 128 (`kiln gpu-check`) with each expert kernel forced in turn, side by side (where the
+/// tensor cores should take over: packed_kernel.rs), with the GPU's peak read bandwidth where
+/// the driver reports it.
 pub fn kimi_moe_layer_speed(seed: u64) -> Result<(Vec<MoeLayerPoint>, Option<f64>)> {
     let gpu = CudaBackend::open(0)?;
-    let points = moe_layer::measure(&gpu, MoeLayerShape::KIMI_K2, &[1, 64], 20, seed)?;
+    let mut points = Vec::new();
+    for kernel in [PackedKernel::Fma, PackedKernel::TensorCores] {
+        gpu.force_packed_kernel(Some(kernel));
+        let label = match kernel {
+            PackedKernel::Fma => "fma",
+            PackedKernel::TensorCores => "tensor cores",
+        };
+        let shape = MoeLayerShape::KIMI_K2;
+        points.extend(moe_layer::measure(
+            &gpu,
+            shape,
+            &[1, 8, 64, 128],
+            20,
+            seed,
+            label,
+        )?);
+    }
+    gpu.force_packed_kernel(None);
     Ok((points, gpu.peak_read_bandwidth()))
 }
 
@@ -533,15 +570,21 @@ mod tests {
 
     #[test]
     fn the_tile_bound_covers_every_spread_of_pairs() {
-        // Every way of spreading `pairs` over `experts` takes at most max_tiles runs of 8.
-        for (pairs, experts) in [(8usize, 384usize), (512, 384), (512, 48), (3, 2), (17, 1)] {
-            let worst: usize = (0..experts)
-                .map(|e| pairs / experts + usize::from(e < pairs % experts))
-                .map(|c| c.div_ceil(TILE_TOKENS))
-                .sum();
-            assert!(worst <= max_tiles(pairs, experts), "{pairs} over {experts}");
-            // All on one expert, and all but a few on one.
-            assert!(pairs.div_ceil(TILE_TOKENS) <= max_tiles(pairs, experts));
+        // Every way of spreading `pairs` over `experts` takes at most max_tiles runs of either
+        // kernel's tile.
+        for tile in [PackedKernel::Fma, PackedKernel::TensorCores].map(PackedKernel::tile_tokens) {
+            for (pairs, experts) in [(8usize, 384usize), (512, 384), (512, 48), (3, 2), (17, 1)] {
+                let worst: usize = (0..experts)
+                    .map(|e| pairs / experts + usize::from(e < pairs % experts))
+                    .map(|c| c.div_ceil(tile))
+                    .sum();
+                assert!(
+                    worst <= max_tiles(pairs, experts, tile),
+                    "{pairs} over {experts}"
+                );
+                // All on one expert, and all but a few on one.
+                assert!(pairs.div_ceil(tile) <= max_tiles(pairs, experts, tile));
+            }
         }
     }
 }

@@ -90,6 +90,11 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        file: "packed_mma.cu",
+        source: include_str!("kernels/packed_mma.cu"),
+        entry_points: &["kiln_packed_mma_bf16", "kiln_moe_mma_bf16"],
+    },
+    KernelSource {
         file: "allreduce.cu",
         source: include_str!("kernels/allreduce.cu"),
         entry_points: &["kiln_oneshot_allreduce_bf16"],

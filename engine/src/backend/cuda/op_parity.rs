@@ -139,9 +139,10 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
         out.push((format!("weights stored as {dtype:?}"), b.to_host(&y)?));
     }
 
-    // Weights multiplied as stored (the GPU keeps INT4 and FP8 packed): a decode row and a token
-    // tile and a half through the packed kernel, a prefill through widened tiles and cuBLASLt;
-    // rows that leave a partial block of warps, two parts stacked.
+    // Weights multiplied as stored (the GPU keeps INT4 and FP8 packed): a decode row through
+    // the FMA kernel; 2, 12 and 32 tokens on the tensor cores (a partial token tile, a full
+    // pass of four); a prefill through widened tiles and cuBLASLt; 44 rows, which leave a
+    // partial block of rows for both kernels, two parts stacked.
     // (Q4_0 at 160 columns: Q4 rows whose scales are padded.)
     for (dtype, cols) in [
         (DType::Q4_0, 512usize),
@@ -154,7 +155,7 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
             stored(&mut rng, dtype, rows - 20, cols)?,
         ];
         let m = b.matrix(&parts, Precision::Exact)?;
-        for n in [1usize, 12, 40] {
+        for n in [1usize, 2, 12, 32, 40] {
             let x = random(&mut rng, n * cols, 1.0);
             let xb = buffer(b, n, cols, &x)?;
             let mut y = b.buffer(0, 0)?;
@@ -327,7 +328,8 @@ fn per_head_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String
 }
 
 /// MoE's routed experts: grouped routing with a correction bias, every expert held and a
-/// rank's contiguous share of them, a decode step (the device's grouped kernels) and a prefill
+/// rank's contiguous share of them, decode steps (the device's grouped kernels: 3 tokens with
+/// FMAs, 100 on the tensor cores, 25 a picked expert, so some take several tiles) and a prefill
 /// (300 tokens: 1,200 pairs, past the grouped kernels, so per-expert GEMMs), experts packed as
 /// stored and in bf16.
 fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
@@ -361,7 +363,7 @@ fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(S
             })
             .collect::<Result<Vec<_>>>()?;
         let experts = b.experts(experts, Precision::Exact)?;
-        for n in [3usize, 300] {
+        for n in [3usize, 100, 300] {
             let h = buffer(b, n, hidden, &random(rng, n * hidden, 1.0))?;
             let logits = buffer(b, n, spec.n_experts, &random(rng, n * spec.n_experts, 4.0))?;
             let mut y = buffer(b, n, hidden, &random(rng, n * hidden, 1.0))?;
@@ -735,7 +737,7 @@ mod tests {
     fn every_case_runs_on_the_cpu_backend() {
         let cpu = CpuBackend::with_threads(2);
         let out = outputs(&cpu, 7).expect("the cases run");
-        assert_eq!(out.len(), 73);
+        assert_eq!(out.len(), 82);
         for (case, values) in &out {
             assert!(
                 !values.is_empty() && values.iter().all(|v| v.is_finite()),

@@ -20,6 +20,32 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
     return (bf16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// Reading stored weight bytes (dequant.cu, packed_mma.cu): any alignment, little-endian.
+typedef unsigned char u8;
+
+__device__ __forceinline__ float f16_at(const u8* b) {
+    const unsigned short h = (unsigned short)(b[0] | (b[1] << 8));
+#ifdef KILN_CUDASIM
+    return kilnsim::f16_to_f32(h);  // cudasim (CUDA on the CPU): no PTX there
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+__device__ __forceinline__ u32 u32_at(const u8* b) {
+    return (u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16) | ((u32)b[3] << 24);
+}
+
+// One e4m3 byte (DeepSeek-V3's FP8: bias 7, subnormals, no infinities) as f32, exactly.
+__device__ __forceinline__ float e4m3_to_f32(u8 b) {
+    const u32 magnitude = b & 0x7f;
+    const float v = magnitude < 8 ? (float)magnitude * (1.0f / 512.0f)
+                                  : __uint_as_float((magnitude << 20) + (120u << 23));
+    return (b & 0x80) ? -v : v;
+}
+
 struct SumOp {
     __device__ float operator()(float a, float b) const { return a + b; }
 };

@@ -7,23 +7,6 @@
 // `dtype` is the ggml type id: 0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K,
 // 13 Q5_K, 14 Q6_K, 30 BF16.
 
-typedef unsigned char u8;
-
-__device__ __forceinline__ float f16_at(const u8* b) {
-    const unsigned short h = (unsigned short)(b[0] | (b[1] << 8));
-#ifdef KILN_CUDASIM
-    return kilnsim::f16_to_f32(h);  // cudasim (CUDA on the CPU): no PTX there
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#endif
-}
-
-__device__ __forceinline__ u32 u32_at(const u8* b) {
-    return (u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16) | ((u32)b[3] << 24);
-}
-
 // The 6-bit scale and min of sub-block j (0..8) of a Q4_K / Q5_K super-block.
 __device__ __forceinline__ void k_scale_min(int j, const u8* q, float* sc, float* m) {
     if (j < 4) {
@@ -151,13 +134,6 @@ extern "C" __global__ void kiln_dequant_bf16(const u8* __restrict__ src, int dty
 // DeepSeek-V3's block FP8 as kiln keeps it (weights/dtype.rs `F8Blocks`): per block an f32 scale,
 // then `width` e4m3 bytes (never the NaN pattern, refused at load). One thread per value: the
 // blocks are 132 bytes at DeepSeek's width, and a thread per block would leave most lanes idle.
-__device__ __forceinline__ float e4m3_to_f32(u8 b) {
-    const u32 magnitude = b & 0x7f;
-    const float v = magnitude < 8 ? (float)magnitude * (1.0f / 512.0f)
-                                  : __uint_as_float((magnitude << 20) + (120u << 23));
-    return (b & 0x80) ? -v : v;
-}
-
 extern "C" __global__ void kiln_dequant_f8_blocks_bf16(const u8* __restrict__ src, int width,
                                                        long n_values, bf16* __restrict__ dst) {
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -1,0 +1,203 @@
+// Weights multiplied as stored, on the tensor cores (W4A16 / W8A16, and bf16 rows): the layouts
+// dequant.cu's kiln_packed_matmul_bf16 reads (format 0 Q4 rows, 1 F8Blocks, 2 bf16 rows of a
+// multiple of 32 values), for the steps of 2 to 32 tokens where that kernel's FMAs, one per
+// weight and token, cost more than the weight bytes it waits on: verify steps, decode batches,
+// MoE experts with several tokens each.
+//
+// mma.sync m16n8k16 (bf16 in, f32 accumulate), sm_80's instruction: no wgmma, TMA or shared-
+// memory staging, so one source serves sm_90 and sm_120. The weights are the 16-row A operand and
+// the tokens B, in up to KILN_MMA_TILES tiles of 8: a warp turns its two rows' slice of a
+// 32-value block into registers once and multiplies every token tile by it.
+// Each block's products are summed by the tensor core unscaled (INT4's integers -8..7 and e4m3's
+// values are exact in bf16) and scaled in f32 afterwards, as the CPU's reference scales its
+// blocks, so no weight is ever rounded to bf16.
+// A thread block of KILN_MMA_WARPS warps takes 16 rows; its warps split the rows' blocks (warp w
+// takes blocks w, w + KILN_MMA_WARPS, ...: together they read neighbouring bytes), so the
+// 256-row slices column-split experts have still fill the GPU, and sum through shared memory in
+// warp order at the end (deterministic: a token's result does not depend on its neighbours).
+#define KILN_MMA_WARPS 8
+#define KILN_MMA_TILES 4
+#define KILN_MMA_TOKENS (8 * KILN_MMA_TILES)
+
+// d += A B for the warp (fragment layouts: the PTX ISA's "Matrix Fragments for mma.m16n8k16").
+__device__ __forceinline__ void mma_m16n8k16(float* d, const u32* a, const u32* b) {
+#ifdef KILN_CUDASIM
+    kilnsim::mma_bf16_m16n8k16(d, a, b);  // cudasim (CUDA on the CPU): the warp's product
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Two 4-bit values q (bits 0-3 and 16-19 of v, the rest clear) as the bf16 pair q - 8: or-ing q
+// into bf16 128.0's mantissa gives 128 + q exactly, and one packed FMA subtracts 136.
+__device__ __forceinline__ u32 nibbles_to_bf16x2(u32 v) {
+    v |= 0x43004300u;
+#ifdef KILN_CUDASIM
+    return (u32)f32_to_bf16(bf16_to_f32((bf16)(v & 0xffffu)) - 136.0f) |
+           ((u32)f32_to_bf16(bf16_to_f32((bf16)(v >> 16)) - 136.0f) << 16);
+#else
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return r;
+#endif
+}
+
+// Two bytes' low nibbles (lo) or high nibbles (hi), as the bf16 pair q - 8.
+__device__ __forceinline__ u32 low_nibbles(u32 two_bytes) {
+    return nibbles_to_bf16x2((two_bytes & 0x000fu) | ((two_bytes & 0x0f00u) << 8));
+}
+__device__ __forceinline__ u32 high_nibbles(u32 two_bytes) {
+    return nibbles_to_bf16x2(((two_bytes >> 4) & 0x000fu) | ((two_bytes & 0xf000u) << 4));
+}
+
+// Two e4m3 bytes as a bf16 pair, exactly (every e4m3 value is a bf16 value).
+__device__ __forceinline__ u32 e4m3_to_bf16x2(u32 two_bytes) {
+    return (__float_as_uint(e4m3_to_f32((u8)(two_bytes & 0xffu))) >> 16) |
+           (__float_as_uint(e4m3_to_f32((u8)(two_bytes >> 8))) & 0xffff0000u);
+}
+
+__device__ __forceinline__ u32 u16_at(const u8* p) { return *(const unsigned short*)p; }
+
+// This lane's A words for one row (half h: 0 the tile's row g, 1 row g + 8) of block c (values
+// 32c .. 32c + 31) and the block's scale: a[s][h] holds columns 16s + 2t and the next,
+// a[s][2 + h] columns 16s + 2t + 8 and the next (t = lane % 4). A missing row (past the
+// matrix) gives zeros.
+__device__ __forceinline__ float row_block(const u8* row, int format, int width, int c, int t,
+                                           int h, u32 (*a)[4]) {
+    if (row == nullptr) {
+        a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = 0u;
+        return 0.0f;
+    }
+    if (format == 0) {
+        // Q4 rows: byte j of a block's 16 holds value j (low nibble) and value j + 16 (high).
+        const u8* q = row + width + (long)c * 16;
+        const u32 near = u16_at(q + 2 * t), far = u16_at(q + 2 * t + 8);
+        a[0][h] = low_nibbles(near);
+        a[0][2 + h] = low_nibbles(far);
+        a[1][h] = high_nibbles(near);
+        a[1][2 + h] = high_nibbles(far);
+        return f16_at(row + c * 2);
+    }
+    if (format == 1) {
+        // F8Blocks(width): per block of `width` values an f32 scale, then the e4m3 bytes.
+        const int first = c * 32;
+        const u8* block = row + (long)(first / width) * (4 + width);
+        const u8* q = block + 4 + first % width + 2 * t;
+        a[0][h] = e4m3_to_bf16x2(u16_at(q));
+        a[0][2 + h] = e4m3_to_bf16x2(u16_at(q + 8));
+        a[1][h] = e4m3_to_bf16x2(u16_at(q + 16));
+        a[1][2 + h] = e4m3_to_bf16x2(u16_at(q + 24));
+        return __uint_as_float(u32_at(block));
+    }
+    const u32* p = (const u32*)row + c * 16;
+    a[0][h] = p[t];
+    a[0][2 + h] = p[4 + t];
+    a[1][h] = p[8 + t];
+    a[1][2 + h] = p[12 + t];
+    return 1.0f;
+}
+
+// This lane's B words of block c for its token (nullptr: a token past the run, zeros): b[s][r]
+// holds columns 16s + 8r + 2t and the next of the token's row.
+__device__ __forceinline__ void token_block(const bf16* x, int c, int t, u32 (*b)[2]) {
+    if (x == nullptr) {
+        b[0][0] = b[0][1] = b[1][0] = b[1][1] = 0u;
+        return;
+    }
+    const u32* p = (const u32*)(x + (long)c * 32);
+    b[0][0] = p[t];
+    b[0][1] = p[4 + t];
+    b[1][0] = p[8 + t];
+    b[1][1] = p[12 + t];
+}
+
+// The thread block's 16 rows (first `row0`, of `rows`) against up to KILN_MMA_TOKENS tokens
+// (xrow[j]: this lane's token of tile j, i.e. token 8j + lane / 4, nullptr past the run):
+// out[tok * rows + row] for tok < nt. Every warp of the block calls it (it synchronizes).
+__device__ __forceinline__ void mma_rows_times_tokens(const u8* w, int format, int width,
+                                                      long row_bytes, int rows, int row0,
+                                                      int cols, const bf16* const* xrow,
+                                                      int nt, bf16* __restrict__ out) {
+    __shared__ float partial[KILN_MMA_WARPS][KILN_MMA_TILES * 4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int tiles = (nt + 7) / 8;
+    const u8* near = row0 + g < rows ? w + (long)(row0 + g) * row_bytes : nullptr;
+    const u8* far = row0 + g + 8 < rows ? w + (long)(row0 + g + 8) * row_bytes : nullptr;
+    float acc[KILN_MMA_TILES][4];
+    for (int j = 0; j < KILN_MMA_TILES; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
+    for (int c = warp; c < cols / 32; c += KILN_MMA_WARPS) {
+        u32 a[2][4];
+        const float s_near = row_block(near, format, width, c, t, 0, a);
+        const float s_far = row_block(far, format, width, c, t, 1, a);
+#pragma unroll
+        for (int j = 0; j < KILN_MMA_TILES; j++) {
+            if (j >= tiles) break;  // uniform over the block: the warp stays converged
+            u32 b[2][2];
+            token_block(xrow[j], c, t, b);
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_m16n8k16(p, a[0], b[0]);
+            mma_m16n8k16(p, a[1], b[1]);
+            acc[j][0] += s_near * p[0];
+            acc[j][1] += s_near * p[1];
+            acc[j][2] += s_far * p[2];
+            acc[j][3] += s_far * p[3];
+        }
+    }
+    for (int j = 0; j < KILN_MMA_TILES; j++)
+        for (int i = 0; i < 4; i++) partial[warp][j * 4 + i][lane] = acc[j][i];
+    __syncthreads();
+    // D value i of lane l in tile j: row l / 4 + 8 (i / 2), token 8j + 2 (l % 4) + i % 2.
+    for (int e = threadIdx.x; e < KILN_MMA_TILES * 4 * 32; e += blockDim.x) {
+        const int ji = e >> 5, l = e & 31, j = ji >> 2, i = ji & 3;
+        const int row = row0 + (l >> 2) + 8 * (i >> 1), tok = 8 * j + 2 * (l & 3) + (i & 1);
+        if (row >= rows || tok >= nt) continue;
+        float s = 0.0f;
+        for (int v = 0; v < KILN_MMA_WARPS; v++) s += partial[v][ji][l];
+        out[(long)tok * rows + row] = f32_to_bf16(s);
+    }
+}
+
+// out[t][row] = sum_c w[row][c] * x[t][c] for n tokens, as kiln_packed_matmul_bf16. Grid:
+// (ceil(rows / 16), ceil(n / KILN_MMA_TOKENS)); block: 32 * KILN_MMA_WARPS; cols a multiple of 32.
+extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_packed_mma_bf16(
+    const u8* __restrict__ w, int format, int width, long row_bytes, int rows, int cols,
+    const bf16* __restrict__ x, int n, bf16* __restrict__ out) {
+    const int t0 = blockIdx.y * KILN_MMA_TOKENS;
+    const int nt = min(KILN_MMA_TOKENS, n - t0);
+    const int g = (threadIdx.x & 31) >> 2;
+    const bf16* xrow[KILN_MMA_TILES];
+    for (int j = 0; j < KILN_MMA_TILES; j++) {
+        const int tok = 8 * j + g;
+        xrow[j] = tok < nt ? x + (long)(t0 + tok) * cols : nullptr;
+    }
+    mma_rows_times_tokens(w, format, width, row_bytes, rows, blockIdx.x * 16, cols, xrow, nt,
+                          out + (long)t0 * rows);
+}
+
+// The grouped expert matmul on the tensor cores, as dequant.cu's kiln_moe_matmul_bf16 (the same
+// arguments, tiles of up to KILN_MMA_TOKENS positions from kiln_moe_group): block row y takes
+// tile y (an expert and a run of its sorted positions) and 16 of that expert's rows:
+// out[pos][row] = sum_c w[e * rows + row][c] * x[src(pos)][c]. Grid: (ceil(rows / 16),
+// max_tiles); block: 32 * KILN_MMA_WARPS; cols a multiple of 32.
+extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_moe_mma_bf16(
+    const u8* __restrict__ w, int format, int width, long row_bytes, int rows, int cols,
+    const bf16* __restrict__ x, int gather_k, const int* __restrict__ pair_of_pos,
+    const int* __restrict__ tiles, const int* __restrict__ n_tiles, bf16* __restrict__ out) {
+    const int tile = blockIdx.y;
+    if (tile >= n_tiles[0]) return;  // the whole block: no warp is left waiting
+    const int e = tiles[tile * 3], start = tiles[tile * 3 + 1], nt = tiles[tile * 3 + 2];
+    const int g = (threadIdx.x & 31) >> 2;
+    const bf16* xrow[KILN_MMA_TILES];
+    for (int j = 0; j < KILN_MMA_TILES; j++) {
+        const int tok = 8 * j + g;
+        const long src = tok >= nt ? -1 : gather_k > 0 ? pair_of_pos[start + tok] / gather_k : start + tok;
+        xrow[j] = src < 0 ? nullptr : x + src * cols;
+    }
+    mma_rows_times_tokens(w + (long)e * rows * row_bytes, format, width, row_bytes, rows,
+                          blockIdx.x * 16, cols, xrow, nt, out + (long)start * rows);
+}
