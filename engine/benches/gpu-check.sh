@@ -15,7 +15,8 @@
 #    backend against the CPU backend through the op trait, the NCCL all-reduce sweep, the one-shot
 #    all-reduce kernel's protocol over 4 ranks (several per GPU here: real launches and flags, every
 #    sum checked bit for bit; its speed against NCCL needs 2+ GPUs and is not measured here), and
-#    one Kimi-K2-sized MoE layer (384 INT4 experts, 8 a token) at batch 1 and 64 beside its roofline;
+#    one Kimi-K2-sized MoE layer (384 INT4 experts, 8 a token) at batch 1, 8, 64 and 128 with each
+#    expert kernel (FMAs, tensor cores) forced in turn, beside its roofline;
 # 3. gpu_check.py: tiny Llama 3 / Qwen2 / Qwen3 / Mistral served with --device cuda against
 #    transformers on the GPU (greedy tokens, logprobs), then decode and prefill speed of a
 #    Llama-3-8B-shaped model against its roofline and transformers, and kiln serve under kiln bench

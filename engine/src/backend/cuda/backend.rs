@@ -234,7 +234,8 @@ pub(super) struct Scratch {
 }
 
 /// Tokens above which a packed matrix is widened to bf16 a tile of rows at a time for cuBLASLt:
-/// the packed kernel reads the weights once per 8 tokens, which pays at decode, not at prefill.
+/// the packed kernels read the weights once per 8 (FMAs) or 32 (tensor cores) tokens, which pays
+/// at decode, not at prefill.
 const PACKED_KERNEL_MAX_TOKENS: usize = 32;
 /// bf16 values of that tile: 32 MiB.
 const WIDE_TILE_VALUES: usize = 16 << 20;
