@@ -1,6 +1,7 @@
 //! One mixture-of-experts layer's routed experts timed on a backend, beside the bytes of weights
 //! each step must read: `kiln gpu-check` runs it at Kimi-K2's size (384 INT4 experts of
-//! 7168 x 2048, 8 chosen per token) at batch 1 and 64, the memory roofline being those bytes over
+//! 7168 x 2048, 8 chosen per token) at batch 1, 8, 64 and 128, once per expert kernel, the memory
+//! roofline being those bytes over
 //! the GPU's read bandwidth. The experts' INT4 weights are Q4_0 blocks, the layout Kimi-K2's
 //! compressed-tensors experts are repacked to at load (18 bytes per 32 weights).
 

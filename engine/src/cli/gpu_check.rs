@@ -2,7 +2,7 @@
 //! device 0, then every op of the CUDA backend against the CPU backend through the op trait, fresh
 //! random inputs each run, then the NCCL all-reduce sweep over every visible GPU and the one-shot
 //! all-reduce's protocol over 4 ranks (bit-exact sums), and one Kimi-K2-sized MoE layer timed at
-//! batch 1 and 64 beside its memory roofline;
+//! batch 1, 8, 64 and 128 with each expert kernel (FMAs, tensor cores) beside its memory roofline;
 //! tables on stdout, JSON with `--json`, non-zero exit on any mismatch or a failed sweep. `engine/benches/gpu-check.sh` runs it on a lent GPU machine.
 
 use std::path::PathBuf;

@@ -438,9 +438,11 @@ impl CudaBackend {
     }
 
     /// Forces `kernel` for every matmul over packed weights at decode sizes (`None`: the
-    /// rule in packed_kernel.rs chooses), so the two can be timed side by side.
-    pub fn force_packed_kernel(&self, kernel: Option<PackedKernel>) {
+    /// rule in packed_kernel.rs chooses), so the two can be timed side by side. Recorded
+    /// graphs hold the kernels they were recorded with: they are dropped.
+    pub fn force_packed_kernel(&self, kernel: Option<PackedKernel>) -> Result<()> {
         self.packed_kernel.set(kernel);
+        self.forget_graphs()
     }
 
     /// Enqueues a launch, unless a graph replay is only staging its inputs (the graph holds

@@ -6,7 +6,7 @@ use cudarc::driver::{CudaViewMut, PushKernelArg};
 use half::bf16;
 
 use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, PackedFormat, Weights, cfg, dev};
-use super::packed_kernel::PackedKernel;
+use super::packed_kernel::{PackedKernel, mma_splits};
 use crate::error::{Error, Result};
 use crate::weights::{DType, TensorView};
 
@@ -158,39 +158,39 @@ impl CudaBackend {
                 x.rows, x.cols, out.rows, out.cols
             )));
         }
-        // Rows per thread block and tokens per pass of each kernel: dequant.cu's
-        // KILN_PACKED_WARPS and KILN_PACKED_TOKENS (a warp a row), packed_mma.cu's 16 rows and
-        // KILN_MMA_TOKENS.
         let kernel = self.packed_kernel.choose(x.rows as f64);
-        let (name, block_rows, threads) = match kernel {
-            PackedKernel::Fma => ("kiln_packed_matmul_bf16", 8, 32 * 8),
-            PackedKernel::TensorCores => ("kiln_packed_mma_bf16", 16, 32 * 8),
+        let name = match kernel {
+            PackedKernel::Fma => "kiln_packed_matmul_bf16",
+            PackedKernel::TensorCores => "kiln_packed_mma_bf16",
         };
         let (format_i, width, row_bytes) = format.kernel_args(cols);
         let (rows_i, cols_i, n_i) = (rows as i32, cols as i32, x.rows as i32);
+        let splits = mma_splits(cols) as i32;
         let mut b = self.stream().launch_builder(self.f(name)?);
         b.arg(w)
             .arg(&format_i)
             .arg(&width)
             .arg(&row_bytes)
             .arg(&rows_i)
-            .arg(&cols_i)
-            .arg(&x.data)
-            .arg(&n_i)
-            .arg(&mut out.data);
-        // SAFETY: as dequant.cu and packed_mma.cu declare (the same arguments): `w` holds
-        // rows * row_bytes bytes (checked when it was uploaded; packed rows hold whole 32-value
-        // blocks), x at least x.rows * cols values, out x.rows * rows.
+            .arg(&cols_i);
+        if kernel == PackedKernel::TensorCores {
+            b.arg(&splits);
+        }
+        b.arg(&x.data).arg(&n_i).arg(&mut out.data);
+        // SAFETY: as dequant.cu and packed_mma.cu declare (the same arguments, and the tensor
+        // cores' warp split): `w` holds rows * row_bytes bytes (checked when it was uploaded;
+        // packed rows hold whole 32-value blocks), x at least x.rows * cols values, out
+        // x.rows * rows.
         unsafe {
             self.launch(
                 &mut b,
                 cfg(
                     (
-                        rows.div_ceil(block_rows),
+                        rows.div_ceil(kernel.rows_per_block(cols)),
                         x.rows.div_ceil(kernel.tile_tokens()),
                         1,
                     ),
-                    threads,
+                    PackedKernel::THREADS,
                     0,
                 ),
                 "packed matmul launch",

@@ -14,7 +14,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, Weights, cfg, dev, int};
 use super::graphs::GraphMode;
-use super::packed_kernel::{PackedKernel, tokens_per_picked_expert};
+use super::packed_kernel::{PackedKernel, mma_splits, tokens_per_picked_expert};
 use crate::backend::{Backend, ExpertTensors, Precision, RouteSpec};
 use crate::bench::moe_layer::{self, MoeLayerPoint, MoeLayerShape};
 use crate::error::{Error, Result};
@@ -290,6 +290,9 @@ impl CudaBackend {
     ) -> Result<Groups<'s>> {
         let n_local = experts.n_local;
         let tiles_max = max_tiles(pairs, n_local, tile_tokens);
+        // Sized for the shorter runs whichever kernel runs, so switching kernels at a shape
+        // (`force_packed_kernel`) never grows the array under a recorded graph.
+        let tiles_room = max_tiles(pairs, n_local, PackedKernel::Fma.tile_tokens());
         let what = "the MoE grouping scratch";
         let GroupSlots {
             pair_of_pos,
@@ -302,7 +305,7 @@ impl CudaBackend {
             pair_of_pos: self.grown(pair_of_pos, pairs, what)?,
             pos_of_pair: self.grown(pos_of_pair, pairs, what)?,
             offsets: self.grown(offsets, n_local + 1, what)?,
-            tiles: self.grown(tiles, 3 * tiles_max, what)?,
+            tiles: self.grown(tiles, 3 * tiles_room.max(tiles_max), what)?,
             n_tiles: self.grown(n_tiles, 1, what)?,
             max_tiles: tiles_max,
         };
@@ -356,35 +359,45 @@ impl CudaBackend {
                 x.rows, out.rows, w.cols
             )));
         }
-        // Rows per thread block of each kernel: dequant.cu's KILN_PACKED_WARPS (a warp a row),
-        // packed_mma.cu's 16; both run 8 warps.
-        let (name, block_rows) = match kernel {
-            PackedKernel::Fma => ("kiln_moe_matmul_bf16", 8),
-            PackedKernel::TensorCores => ("kiln_moe_mma_bf16", 16),
+        let name = match kernel {
+            PackedKernel::Fma => "kiln_moe_matmul_bf16",
+            PackedKernel::TensorCores => "kiln_moe_mma_bf16",
         };
         let (format, width, row_bytes) = w.row_kernel_args();
         let (rows_i, cols_i, k_i) = (int(rows), int(cols), int(gather_k));
+        let splits = int(mma_splits(cols));
         let mut b = self.stream().launch_builder(self.f(name)?);
         w.push_rows(&mut b);
         b.arg(&format)
             .arg(&width)
             .arg(&row_bytes)
             .arg(&rows_i)
-            .arg(&cols_i)
-            .arg(&x.data)
+            .arg(&cols_i);
+        if kernel == PackedKernel::TensorCores {
+            b.arg(&splits);
+        }
+        b.arg(&x.data)
             .arg(&k_i)
             .arg(&*groups.pair_of_pos)
             .arg(&*groups.tiles)
             .arg(&*groups.n_tiles)
             .arg(&mut out.data);
-        // SAFETY: as dequant.cu and packed_mma.cu declare (the same arguments; the tiles were
-        // cut for this kernel): the stacked weights hold n_local * rows rows (the tiles name
+        // SAFETY: as dequant.cu and packed_mma.cu declare (the same arguments, and the tensor
+        // cores' warp split; the tiles were cut for this kernel): the stacked weights hold n_local * rows rows (the tiles name
         // local experts), x's rows are the pairs' tokens or positions, out holds a row of `rows`
         // per position; blocks past n_tiles return at once.
         unsafe {
             self.launch(
                 &mut b,
-                cfg((rows.div_ceil(block_rows), groups.max_tiles, 1), 32 * 8, 0),
+                cfg(
+                    (
+                        rows.div_ceil(kernel.rows_per_block(cols)),
+                        groups.max_tiles,
+                        1,
+                    ),
+                    PackedKernel::THREADS,
+                    0,
+                ),
                 "grouped expert matmul launch",
             )
         }
@@ -516,12 +529,13 @@ pub struct MoeScratch {
 /// Kimi-K2's routed experts (one layer, 384 INT4 experts, 8 a token) timed on GPU 0 at batch 1
 /// to 128 (`kiln gpu-check`) with each expert kernel forced in turn, side by side (where the
 /// tensor cores should take over: packed_kernel.rs), with the GPU's peak read bandwidth where
-/// the driver reports it.
+/// the driver reports it. Every point runs the grouped kernels: Kimi-K2's widths are multiples
+/// of 32 and 128 tokens make 1,024 pairs, the most DEVICE_GROUPED_MAX_PAIRS keeps on them.
 pub fn kimi_moe_layer_speed(seed: u64) -> Result<(Vec<MoeLayerPoint>, Option<f64>)> {
     let gpu = CudaBackend::open(0)?;
     let mut points = Vec::new();
     for kernel in [PackedKernel::Fma, PackedKernel::TensorCores] {
-        gpu.force_packed_kernel(Some(kernel));
+        gpu.force_packed_kernel(Some(kernel))?;
         let label = match kernel {
             PackedKernel::Fma => "fma",
             PackedKernel::TensorCores => "tensor cores",
@@ -536,7 +550,7 @@ pub fn kimi_moe_layer_speed(seed: u64) -> Result<(Vec<MoeLayerPoint>, Option<f64
             label,
         )?);
     }
-    gpu.force_packed_kernel(None);
+    gpu.force_packed_kernel(None)?;
     Ok((points, gpu.peak_read_bandwidth()))
 }
 

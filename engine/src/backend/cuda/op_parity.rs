@@ -143,11 +143,15 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
     // the FMA kernel; 2, 12 and 32 tokens on the tensor cores (a partial token tile, a full
     // pass of four); a prefill through widened tiles and cuBLASLt; 44 rows, which leave a
     // partial block of rows for both kernels, two parts stacked.
-    // (Q4_0 at 160 columns: Q4 rows whose scales are padded.)
+    // (Q4_0 at 160 columns: Q4 rows whose scales are padded. The widths give the tensor cores'
+    // every split of a block's warps between rows: 8 at 1024 columns, 4 at 512, 2 at 256, 1 at
+    // 160.)
     for (dtype, cols) in [
         (DType::Q4_0, 512usize),
         (DType::F8Blocks(128), 512),
         (DType::Q4_0, 160),
+        (DType::Q4_0, 1024),
+        (DType::F8Blocks(128), 256),
     ] {
         let rows = 44usize;
         let parts = [
@@ -541,7 +545,8 @@ fn draft_of(r: usize) -> u32 {
 }
 
 /// Random logits with a tie for the top of row 1, and in even rows a draft made the clear
-/// favourite (so some drafts stand and the rest fall).
+/// favourite (so some drafts stand and the rest fall). Each is a bf16 value, as the GPU's
+/// buffers hold them, so both sides sample from the same numbers.
 fn sampling_logits(seed: u64) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut logits = random(&mut rng, SAMPLE_ROWS * SAMPLE_VOCAB, 8.0);
@@ -551,6 +556,9 @@ fn sampling_logits(seed: u64) -> Vec<f32> {
         logits[r * SAMPLE_VOCAB + draft_of(r) as usize] = 16.0;
     }
     logits
+        .into_iter()
+        .map(|v| bf16::from_f32(v).to_f32())
+        .collect()
 }
 
 /// The sampling cases: each a list of draws over the same random logits.
@@ -636,12 +644,22 @@ pub fn compare_sampling<G: Backend>(gpu: &G, seed: u64) -> Result<Vec<OpParity>>
             .zip(&got)
             .filter(|(w, g)| w.sampled.token != g.sampled.token || w.accepted != g.accepted)
             .count();
-        let exact = case.starts_with("greedy");
+        // Greedy rows must agree exactly. A draw differs where the uniform falls within the
+        // sums' rounding of a token's edge: rare among the 40 tokens top-k keeps, but the
+        // verifying case's odd rows redraw from all 32,003 tokens at temperature 1, where each
+        // token holds ~1/5,000 of the mass and the f32 sums (summed in another order on each
+        // side) differ by ~1e-5 of it: a few rows in 64 (1 to 4 in runs of this check). A broken
+        // acceptance or redraw differs in most rows.
+        let tolerance = match case {
+            c if c.starts_with("greedy") => 0.0,
+            c if c.starts_with("verifying") => 0.125,
+            _ => 0.05,
+        };
         out.push(result(
             "sample",
             format!("{case}: rows differing"),
             differ as f64 / SAMPLE_ROWS as f64,
-            if exact { 0.0 } else { 0.05 },
+            tolerance,
         ));
         if case.starts_with("greedy") {
             out.push(overlapped_launches(gpu, &got_logits, &draws, &got)?);
@@ -737,7 +755,7 @@ mod tests {
     fn every_case_runs_on_the_cpu_backend() {
         let cpu = CpuBackend::with_threads(2);
         let out = outputs(&cpu, 7).expect("the cases run");
-        assert_eq!(out.len(), 82);
+        assert_eq!(out.len(), 92);
         for (case, values) in &out {
             assert!(
                 !values.is_empty() && values.iter().all(|v| v.is_finite()),

@@ -17,11 +17,25 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub enum PackedKernel {
     /// One warp per output row, FMAs, 8 tokens per pass.
     Fma,
-    /// mma.sync m16n8k16, 16 rows per warp and up to 32 tokens per pass.
+    /// mma.sync m16n8k16, 16 rows per thread block (its 8 warps split the rows' blocks), up to
+    /// 32 tokens per pass.
     TensorCores,
 }
 
 impl PackedKernel {
+    /// Threads per block of every packed kernel: 8 warps (dequant.cu's KILN_PACKED_WARPS,
+    /// packed_mma.cu's KILN_MMA_WARPS).
+    pub const THREADS: usize = 32 * 8;
+
+    /// Output rows per thread block for rows of `cols` values: a row a warp (FMAs), or the 16
+    /// rows of mma.sync's operand for every `mma_splits(cols)` warps.
+    pub fn rows_per_block(self, cols: usize) -> usize {
+        match self {
+            PackedKernel::Fma => 8,
+            PackedKernel::TensorCores => 16 * 8 / mma_splits(cols),
+        }
+    }
+
     /// Positions per tile of the grouped expert kernels (moe.cu's kiln_moe_group runs): as
     /// dequant.cu's KILN_PACKED_TOKENS and packed_mma.cu's KILN_MMA_TOKENS.
     pub fn tile_tokens(self) -> usize {
@@ -30,6 +44,19 @@ impl PackedKernel {
             PackedKernel::TensorCores => 32,
         }
     }
+}
+
+/// Warps of a tensor-core thread block that share 16 rows (packed_mma.cu's `splits`: 1, 2, 4 or
+/// 8): as many as leave each warp at least 4 of the rows' 32-value blocks, so a short row (the
+/// 256 columns of a column-split expert's down projection) is not cut thinner than the sum in
+/// shared memory that joins the pieces costs.
+pub fn mma_splits(cols: usize) -> usize {
+    let blocks = cols / 32;
+    let mut splits = 8;
+    while splits > 1 && blocks / splits < 4 {
+        splits /= 2;
+    }
+    splits
 }
 
 /// Tokens each matrix read serves from which the tensor cores take over.
@@ -105,6 +132,21 @@ mod tests {
         // Every expert picked by every token: each serves all of them.
         assert!((tokens_per_picked_expert(24, 4, 4) - 24.0).abs() < 1e-9);
         assert_eq!(tokens_per_picked_expert(0, 8, 384), 0.0);
+    }
+
+    #[test]
+    fn short_rows_are_split_between_fewer_warps() {
+        // Kimi-K2: 7168-wide rows over all 8 warps; a column-split down projection's 256
+        // columns (8 blocks) over 2, so the block takes 64 rows.
+        assert_eq!(mma_splits(7168), 8);
+        assert_eq!(mma_splits(2048), 8);
+        assert_eq!(mma_splits(256), 2);
+        assert_eq!(PackedKernel::TensorCores.rows_per_block(256), 64);
+        assert_eq!(mma_splits(512), 4);
+        assert_eq!(mma_splits(160), 1);
+        assert_eq!(mma_splits(32), 1);
+        assert_eq!(PackedKernel::TensorCores.rows_per_block(32), 128);
+        assert_eq!(PackedKernel::Fma.rows_per_block(7168), 8);
     }
 
     #[test]

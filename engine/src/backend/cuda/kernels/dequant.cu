@@ -147,9 +147,10 @@ extern "C" __global__ void kiln_dequant_f8_blocks_bf16(const u8* __restrict__ sr
 // DeepSeek-V3's block FP8 as F8Blocks stay packed in GPU memory, a quarter and a half of bf16, and
 // this kernel reads them with bf16 activations. One warp per output row, its lanes striding over the
 // row's 32-value chunks, KILN_PACKED_TOKENS tokens per pass so each weight byte is read once per
-// pass: a single decoding token is bound by that read (from 2 tokens on, packed_mma.cu's tensor-
-// core kernel takes over: packed_kernel.rs). Plain loads and FMAs, so one source serves sm_90 and
-// sm_120. out[t][row] = sum_c w[row][c] * x[t][c].
+// pass: a single decoding token is bound by that read. Past it the FMAs (one per weight and
+// token) bind, and packed_mma.cu's tensor-core kernels take over (packed_kernel.rs: dense from 2
+// tokens, experts from 1.5 tokens a picked expert); the per-head matmul below keeps FMAs. Plain
+// loads and FMAs, so one source serves sm_90 and sm_120. out[t][row] = sum_c w[row][c] * x[t][c].
 //
 // format 0: Q4_0 as the device lays it out (Q4 rows): per row, its cols / 32 f16 scales padded to
 // `width` bytes (a multiple of 16), then a 16-byte block of nibbles per 32 values; row_bytes =

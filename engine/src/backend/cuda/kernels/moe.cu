@@ -5,7 +5,8 @@
 // choose the topk_group best groups (each scored by its best two) and then the top_k experts
 // inside them, best first, ties to the lower index; the weights are the chosen scores (without
 // the bias), normalized if asked, times the scaling factor. The grouped matmul itself is
-// dequant.cu's kiln_moe_matmul_bf16 (it reads the weights as stored).
+// dequant.cu's kiln_moe_matmul_bf16 or packed_mma.cu's kiln_moe_mma_bf16 (they read the weights
+// as stored); kiln_moe_group's tile_tokens must be the launched kernel's tile (8 or 32).
 
 #define KILN_MOE_THREADS 256
 

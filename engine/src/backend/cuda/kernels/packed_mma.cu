@@ -6,15 +6,18 @@
 //
 // mma.sync m16n8k16 (bf16 in, f32 accumulate), sm_80's instruction: no wgmma, TMA or shared-
 // memory staging, so one source serves sm_90 and sm_120. The weights are the 16-row A operand and
-// the tokens B, in up to KILN_MMA_TILES tiles of 8: a warp turns its two rows' slice of a
-// 32-value block into registers once and multiplies every token tile by it.
+// the tokens B, in up to KILN_MMA_TILES tiles of 8: each lane turns its share of two rows (g and
+// g + 8) of a 32-value block into registers once and every token tile is multiplied by them.
 // Each block's products are summed by the tensor core unscaled (INT4's integers -8..7 and e4m3's
 // values are exact in bf16) and scaled in f32 afterwards, as the CPU's reference scales its
 // blocks, so no weight is ever rounded to bf16.
-// A thread block of KILN_MMA_WARPS warps takes 16 rows; its warps split the rows' blocks (warp w
-// takes blocks w, w + KILN_MMA_WARPS, ...: together they read neighbouring bytes), so the
-// 256-row slices column-split experts have still fill the GPU, and sum through shared memory in
-// warp order at the end (deterministic: a token's result does not depend on its neighbours).
+// A thread block of KILN_MMA_WARPS warps takes 16 rows, or 32 to 128 where rows are short
+// (`splits`, below): the warps sharing 16 rows split their 32-value blocks (warp w takes blocks
+// w, w + splits, ...: together they read neighbouring bytes), so the 256-row slices column-split
+// experts have still fill the GPU, and sum through shared memory in warp order at the end
+// (deterministic, and within this kernel a token's result does not depend on its neighbours;
+// the FMA kernel sums in another order, so a token's bits differ between a one-token step and a
+// batch).
 #define KILN_MMA_WARPS 8
 #define KILN_MMA_TILES 4
 #define KILN_MMA_TOKENS (8 * KILN_MMA_TILES)
@@ -115,22 +118,27 @@ __device__ __forceinline__ void token_block(const bf16* x, int c, int t, u32 (*b
     b[1][1] = p[12 + t];
 }
 
-// The thread block's 16 rows (first `row0`, of `rows`) against up to KILN_MMA_TOKENS tokens
-// (xrow[j]: this lane's token of tile j, i.e. token 8j + lane / 4, nullptr past the run):
-// out[tok * rows + row] for tok < nt. Every warp of the block calls it (it synchronizes).
+// The thread block's rows against up to KILN_MMA_TOKENS tokens (xrow[j]: this lane's token of
+// tile j, i.e. token 8j + lane / 4, nullptr past the run): out[tok * rows + row] for tok < nt.
+// The block's warps form KILN_MMA_WARPS / splits groups of `splits` (1, 2, 4 or 8); group q
+// takes the 16 rows from block_row0 + 16q, its warps every splits-th 32-value block of them,
+// so a short row (few blocks) is not cut thinner than the sum in shared memory costs. Every
+// warp of the block calls it (it synchronizes).
 __device__ __forceinline__ void mma_rows_times_tokens(const u8* w, int format, int width,
-                                                      long row_bytes, int rows, int row0,
-                                                      int cols, const bf16* const* xrow,
-                                                      int nt, bf16* __restrict__ out) {
+                                                      long row_bytes, int rows, int block_row0,
+                                                      int cols, int splits,
+                                                      const bf16* const* xrow, int nt,
+                                                      bf16* __restrict__ out) {
     __shared__ float partial[KILN_MMA_WARPS][KILN_MMA_TILES * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = block_row0 + 16 * (warp / splits);
     const int tiles = (nt + 7) / 8;
     const u8* near = row0 + g < rows ? w + (long)(row0 + g) * row_bytes : nullptr;
     const u8* far = row0 + g + 8 < rows ? w + (long)(row0 + g + 8) * row_bytes : nullptr;
     float acc[KILN_MMA_TILES][4];
     for (int j = 0; j < KILN_MMA_TILES; j++)
         for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
-    for (int c = warp; c < cols / 32; c += KILN_MMA_WARPS) {
+    for (int c = warp % splits; c < cols / 32; c += splits) {
         u32 a[2][4];
         const float s_near = row_block(near, format, width, c, t, 0, a);
         const float s_far = row_block(far, format, width, c, t, 1, a);
@@ -151,22 +159,27 @@ __device__ __forceinline__ void mma_rows_times_tokens(const u8* w, int format, i
     for (int j = 0; j < KILN_MMA_TILES; j++)
         for (int i = 0; i < 4; i++) partial[warp][j * 4 + i][lane] = acc[j][i];
     __syncthreads();
-    // D value i of lane l in tile j: row l / 4 + 8 (i / 2), token 8j + 2 (l % 4) + i % 2.
-    for (int e = threadIdx.x; e < KILN_MMA_TILES * 4 * 32; e += blockDim.x) {
-        const int ji = e >> 5, l = e & 31, j = ji >> 2, i = ji & 3;
-        const int row = row0 + (l >> 2) + 8 * (i >> 1), tok = 8 * j + 2 * (l & 3) + (i & 1);
+    // Group q's D value i of lane l in tile j: row block_row0 + 16q + l / 4 + 8 (i / 2), token
+    // 8j + 2 (l % 4) + i % 2; its warps' partial sums added in warp order.
+    const int groups = KILN_MMA_WARPS / splits;
+    for (int e = threadIdx.x; e < groups * KILN_MMA_TILES * 4 * 32; e += blockDim.x) {
+        const int q = e / (KILN_MMA_TILES * 4 * 32), ji = (e >> 5) % (KILN_MMA_TILES * 4);
+        const int l = e & 31, j = ji >> 2, i = ji & 3;
+        const int row = block_row0 + 16 * q + (l >> 2) + 8 * (i >> 1);
+        const int tok = 8 * j + 2 * (l & 3) + (i & 1);
         if (row >= rows || tok >= nt) continue;
         float s = 0.0f;
-        for (int v = 0; v < KILN_MMA_WARPS; v++) s += partial[v][ji][l];
+        for (int v = 0; v < splits; v++) s += partial[q * splits + v][ji][l];
         out[(long)tok * rows + row] = f32_to_bf16(s);
     }
 }
 
-// out[t][row] = sum_c w[row][c] * x[t][c] for n tokens, as kiln_packed_matmul_bf16. Grid:
-// (ceil(rows / 16), ceil(n / KILN_MMA_TOKENS)); block: 32 * KILN_MMA_WARPS; cols a multiple of 32.
+// out[t][row] = sum_c w[row][c] * x[t][c] for n tokens, as kiln_packed_matmul_bf16, cols a
+// multiple of 32; `splits` as above. Grid: (ceil(rows / (16 * KILN_MMA_WARPS / splits)),
+// ceil(n / KILN_MMA_TOKENS)); block: 32 * KILN_MMA_WARPS.
 extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_packed_mma_bf16(
     const u8* __restrict__ w, int format, int width, long row_bytes, int rows, int cols,
-    const bf16* __restrict__ x, int n, bf16* __restrict__ out) {
+    int splits, const bf16* __restrict__ x, int n, bf16* __restrict__ out) {
     const int t0 = blockIdx.y * KILN_MMA_TOKENS;
     const int nt = min(KILN_MMA_TOKENS, n - t0);
     const int g = (threadIdx.x & 31) >> 2;
@@ -175,18 +188,20 @@ extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_packed_mm
         const int tok = 8 * j + g;
         xrow[j] = tok < nt ? x + (long)(t0 + tok) * cols : nullptr;
     }
-    mma_rows_times_tokens(w, format, width, row_bytes, rows, blockIdx.x * 16, cols, xrow, nt,
-                          out + (long)t0 * rows);
+    const int block_rows = 16 * (KILN_MMA_WARPS / splits);
+    mma_rows_times_tokens(w, format, width, row_bytes, rows, blockIdx.x * block_rows, cols,
+                          splits, xrow, nt, out + (long)t0 * rows);
 }
 
 // The grouped expert matmul on the tensor cores, as dequant.cu's kiln_moe_matmul_bf16 (the same
-// arguments, tiles of up to KILN_MMA_TOKENS positions from kiln_moe_group): block row y takes
-// tile y (an expert and a run of its sorted positions) and 16 of that expert's rows:
-// out[pos][row] = sum_c w[e * rows + row][c] * x[src(pos)][c]. Grid: (ceil(rows / 16),
-// max_tiles); block: 32 * KILN_MMA_WARPS; cols a multiple of 32.
+// arguments plus `splits`, tiles of up to KILN_MMA_TOKENS positions from kiln_moe_group): block
+// row y takes tile y (an expert and a run of its sorted positions) and 16 * KILN_MMA_WARPS /
+// splits of that expert's rows: out[pos][row] = sum_c w[e * rows + row][c] * x[src(pos)][c].
+// Grid: (ceil(rows / (16 * KILN_MMA_WARPS / splits)), max_tiles); block: 32 * KILN_MMA_WARPS;
+// cols a multiple of 32.
 extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_moe_mma_bf16(
     const u8* __restrict__ w, int format, int width, long row_bytes, int rows, int cols,
-    const bf16* __restrict__ x, int gather_k, const int* __restrict__ pair_of_pos,
+    int splits, const bf16* __restrict__ x, int gather_k, const int* __restrict__ pair_of_pos,
     const int* __restrict__ tiles, const int* __restrict__ n_tiles, bf16* __restrict__ out) {
     const int tile = blockIdx.y;
     if (tile >= n_tiles[0]) return;  // the whole block: no warp is left waiting
@@ -198,6 +213,8 @@ extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_moe_mma_b
         const long src = tok >= nt ? -1 : gather_k > 0 ? pair_of_pos[start + tok] / gather_k : start + tok;
         xrow[j] = src < 0 ? nullptr : x + src * cols;
     }
+    const int block_rows = 16 * (KILN_MMA_WARPS / splits);
     mma_rows_times_tokens(w + (long)e * rows * row_bytes, format, width, row_bytes, rows,
-                          blockIdx.x * 16, cols, xrow, nt, out + (long)start * rows);
+                          blockIdx.x * block_rows, cols, splits, xrow, nt,
+                          out + (long)start * rows);
 }
