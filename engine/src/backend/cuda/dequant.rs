@@ -142,7 +142,8 @@ impl CudaBackend {
     }
 
     /// `out = x · wᵀ` for a packed `w` of `rows x cols` (`out` already shaped `[x.rows, rows]`),
-    /// at decode sizes (up to 32 tokens): with FMAs or on the tensor cores (packed_kernel.rs).
+    /// at decode sizes (up to 32 tokens): on the tensor cores, or with FMAs when forced
+    /// (packed_kernel.rs).
     pub(super) fn packed_matmul(
         &self,
         x: &CudaBuffer,
@@ -158,7 +159,7 @@ impl CudaBackend {
                 x.rows, x.cols, out.rows, out.cols
             )));
         }
-        let kernel = self.packed_kernel.choose(x.rows as f64);
+        let kernel = self.packed_kernel.choose();
         let name = match kernel {
             PackedKernel::Fma => "kiln_packed_matmul_bf16",
             PackedKernel::TensorCores => "kiln_packed_mma_bf16",

@@ -1,8 +1,8 @@
 //! Mixture-of-experts on the GPU with no trip to the host per layer: the router's choice
 //! (`kiln_moe_route`), the (token, expert) pairs grouped by expert (`kiln_moe_group`), the grouped
-//! expert matmuls over the experts' weights as stored (`kiln_moe_matmul_bf16` with FMAs, or
-//! `kiln_moe_mma_bf16` on the tensor cores once the picked experts serve several tokens each:
-//! packed_kernel.rs) and the weighted
+//! expert matmuls over the experts' weights as stored (`kiln_moe_mma_bf16` on the tensor cores,
+//! `kiln_moe_matmul_bf16` with FMAs for widths that are no multiple of 32: packed_kernel.rs)
+//! and the weighted
 //! sum back into each token (`kiln_moe_combine`). The experts this rank holds are stacked into one
 //! allocation per projection, so a launch reaches every expert.
 //!
@@ -14,7 +14,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::backend::{CudaBackend, CudaBuffer, CudaMatrix, Weights, cfg, dev, int};
 use super::graphs::GraphMode;
-use super::packed_kernel::{PackedKernel, mma_splits, tokens_per_picked_expert};
+use super::packed_kernel::{PackedKernel, mma_splits};
 use crate::backend::{Backend, ExpertTensors, Precision, RouteSpec};
 use crate::bench::moe_layer::{self, MoeLayerPoint, MoeLayerShape};
 use crate::error::{Error, Result};
@@ -195,9 +195,9 @@ impl CudaBackend {
         let ids = self.grown(ids, pairs, "the MoE routing scratch")?;
         let weights = self.grown(weights, pairs, "the MoE routing scratch")?;
         self.route(spec, correction_bias, logits, ids, weights)?;
-        // The tensor cores once the picked experts serve enough tokens each (their kernel
-        // takes whole 32-value blocks); the grouping's runs are that kernel's tiles.
-        let kernel = match self.packed_kernel.choose(tokens_per_picked_expert(n, k, e)) {
+        // The tensor cores (packed_kernel.rs) where both widths are whole 32-value blocks, FMAs
+        // otherwise; the grouping's runs are that kernel's tiles.
+        let kernel = match self.packed_kernel.choose() {
             PackedKernel::TensorCores if hidden.is_multiple_of(32) && inter.is_multiple_of(32) => {
                 PackedKernel::TensorCores
             }

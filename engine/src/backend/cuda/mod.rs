@@ -29,5 +29,5 @@ pub use latent::{CudaHeadMatrices, mla_chunk, mla_shared_bytes};
 pub use nccl_comm::{NcclComm, ReplayWatch};
 pub use nccl_sweep::nccl_sweep;
 pub use oneshot::{OneShotGpu, one_shot_selftest, one_shot_sweep};
-pub use packed_kernel::{PackedKernel, kernel_for, tokens_per_picked_expert};
+pub use packed_kernel::PackedKernel;
 pub use probe::{CudaReport, probe};

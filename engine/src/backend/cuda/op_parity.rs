@@ -139,37 +139,7 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
         out.push((format!("weights stored as {dtype:?}"), b.to_host(&y)?));
     }
 
-    // Weights multiplied as stored (the GPU keeps INT4 and FP8 packed): a decode row through
-    // the FMA kernel; 2, 12 and 32 tokens on the tensor cores (a partial token tile, a full
-    // pass of four); a prefill through widened tiles and cuBLASLt; 44 rows, which leave a
-    // partial block of rows for both kernels, two parts stacked.
-    // (Q4_0 at 160 columns: Q4 rows whose scales are padded. The widths give the tensor cores'
-    // every split of a block's warps between rows: 8 at 1024 columns, 4 at 512, 2 at 256, 1 at
-    // 160.)
-    for (dtype, cols) in [
-        (DType::Q4_0, 512usize),
-        (DType::F8Blocks(128), 512),
-        (DType::Q4_0, 160),
-        (DType::Q4_0, 1024),
-        (DType::F8Blocks(128), 256),
-    ] {
-        let rows = 44usize;
-        let parts = [
-            stored(&mut rng, dtype, 20, cols)?,
-            stored(&mut rng, dtype, rows - 20, cols)?,
-        ];
-        let m = b.matrix(&parts, Precision::Exact)?;
-        for n in [1usize, 2, 12, 32, 40] {
-            let x = random(&mut rng, n * cols, 1.0);
-            let xb = buffer(b, n, cols, &x)?;
-            let mut y = b.buffer(0, 0)?;
-            b.matmul(&xb, &m, &mut y)?;
-            out.push((
-                format!("matmul {n}x{cols} * {dtype:?} {rows}x{cols}^T"),
-                b.to_host(&y)?,
-            ));
-        }
-    }
+    out.extend(packed_matmul_cases(b, &mut rng)?);
 
     // Bias, norms, activation, residual add.
     let (rows, width) = (5usize, 320usize);
@@ -331,9 +301,54 @@ fn per_head_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String
     Ok(out)
 }
 
+/// Weights multiplied as stored (the GPU keeps INT4 and FP8 packed): 1, 2, 12 and 32 tokens
+/// through the packed kernel (a partial token tile, a full pass of four), a prefill of 40
+/// through widened tiles and cuBLASLt; 44 rows, which leave a partial block of rows for both
+/// packed kernels, two parts stacked. Q4_0 at 160 columns has Q4 rows whose scales are padded;
+/// the widths give the tensor cores' every split of a block's warps between rows (8 at 1024
+/// columns, 4 at 512, 2 at 256, 1 at 160).
+fn packed_matmul_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut out = Vec::new();
+    for (dtype, cols) in [
+        (DType::Q4_0, 512usize),
+        (DType::F8Blocks(128), 512),
+        (DType::Q4_0, 160),
+        (DType::Q4_0, 1024),
+        (DType::F8Blocks(128), 256),
+    ] {
+        let rows = 44usize;
+        let parts = [
+            stored(rng, dtype, 20, cols)?,
+            stored(rng, dtype, rows - 20, cols)?,
+        ];
+        let m = b.matrix(&parts, Precision::Exact)?;
+        for n in [1usize, 2, 12, 32, 40] {
+            let x = random(rng, n * cols, 1.0);
+            let xb = buffer(b, n, cols, &x)?;
+            let mut y = b.buffer(0, 0)?;
+            b.matmul(&xb, &m, &mut y)?;
+            out.push((
+                format!("matmul {n}x{cols} * {dtype:?} {rows}x{cols}^T"),
+                b.to_host(&y)?,
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// The packed-weight cases again (dense and routed experts), for the GPU with its FMA kernels
+/// forced: the tensor cores serve by default, and the FMA kernels stay as the measured
+/// alternative `kiln gpu-check` times, so they are checked too.
+fn packed_cases<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xf3a);
+    let mut out = packed_matmul_cases(b, &mut rng)?;
+    out.extend(routed_expert_cases(b, &mut rng)?);
+    Ok(out)
+}
+
 /// MoE's routed experts: grouped routing with a correction bias, every expert held and a
-/// rank's contiguous share of them, decode steps (the device's grouped kernels: 3 tokens with
-/// FMAs, 100 on the tensor cores, 25 a picked expert, so some take several tiles) and a prefill
+/// rank's contiguous share of them, decode steps (the device's grouped kernels: 3 tokens, and
+/// 100 with 25 a picked expert, so some take several tiles) and a prefill
 /// (300 tokens: 1,200 pairs, past the grouped kernels, so per-expert GEMMs), experts packed as
 /// stored and in bf16.
 fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
@@ -526,11 +541,25 @@ fn attention<B: Backend>(
     Ok(out)
 }
 
-/// Opens GPU 0 and compares its backend with the CPU's on every case.
+/// Opens GPU 0 and compares its backend with the CPU's on every case, then the packed-weight
+/// cases again with the FMA kernels forced.
 pub fn run(seed: u64) -> Result<Vec<OpParity>> {
     let gpu = super::CudaBackend::open(0)?;
     let mut out = compare(&gpu, seed)?;
     out.extend(compare_sampling(&gpu, seed)?);
+    let cpu = CpuBackend::with_threads(2);
+    let want = packed_cases(&cpu, seed)?;
+    gpu.force_packed_kernel(Some(super::PackedKernel::Fma))?;
+    let got = packed_cases(&gpu, seed);
+    gpu.force_packed_kernel(None)?;
+    out.extend(want.into_iter().zip(got?).map(|((case, w), (_, g))| {
+        result(
+            "backend",
+            format!("{case} (FMA kernel)"),
+            rel_error(&g, &w),
+            TOL,
+        )
+    }));
     Ok(out)
 }
 

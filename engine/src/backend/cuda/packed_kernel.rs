@@ -1,13 +1,17 @@
 //! Which kernel multiplies packed weights (INT4 as Q4 rows, FP8 blocks, and experts in bf16) at
-//! decode sizes: one warp per row with FMAs (dequant.cu's `kiln_packed_matmul_bf16` and
-//! `kiln_moe_matmul_bf16`), or mma.sync on the tensor cores (packed_mma.cu's
-//! `kiln_packed_mma_bf16` and `kiln_moe_mma_bf16`).
+//! decode sizes: mma.sync on the tensor cores (packed_mma.cu's `kiln_packed_mma_bf16` and
+//! `kiln_moe_mma_bf16`), or one warp per row with FMAs (dequant.cu's `kiln_packed_matmul_bf16`
+//! and `kiln_moe_matmul_bf16`).
 //!
-//! The FMA kernel spends one FMA (and one activation load) per weight and token: at one token
-//! it keeps up with the weight bytes, from a few tokens on it is bound by those instructions. The
-//! tensor-core kernel spends a fixed unpacking per weight and next to nothing per token. The
-//! switch point below is a first choice from those instruction counts, not a measurement:
-//! `kiln gpu-check` times a Kimi-K2 MoE layer with each kernel forced, side by side, to set it.
+//! The tensor cores serve every size, one token included. Counted in the compiled code (ptxas
+//! for sm_90 and sm_120, README "Packed weights on the tensor cores"), the FMA kernel issues
+//! about 18 instructions per weight byte at one token and 6.6 more per extra token; the
+//! tensor-core kernel about 7 to 9, and 2 to 2.5 more per 8 tokens. An H100 issues about 10 per
+//! byte of its memory bandwidth, so at one token only the tensor-core kernel can keep up with the
+//! weights there; and one kernel at every size gives a token the same bits alone or in a batch.
+//! The FMA kernels stay for widths the tensor-core kernel does not take (bf16 experts whose rows
+//! are no multiple of 32 values) and as the measured alternative: `kiln gpu-check` times a
+//! Kimi-K2 MoE layer with each kernel forced, side by side, and compares both with the CPU.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -59,33 +63,8 @@ pub fn mma_splits(cols: usize) -> usize {
     splits
 }
 
-/// Tokens each matrix read serves from which the tensor cores take over.
-const TENSOR_CORES_FROM_TOKENS_PER_READ: f64 = 1.5;
-
-/// The kernel for a matrix whose every read serves `tokens_per_read` tokens on average.
-pub fn kernel_for(tokens_per_read: f64) -> PackedKernel {
-    if tokens_per_read >= TENSOR_CORES_FROM_TOKENS_PER_READ {
-        PackedKernel::TensorCores
-    } else {
-        PackedKernel::Fma
-    }
-}
-
-/// Tokens each picked expert serves when `tokens` tokens each pick `top_k` of `n_experts`
-/// (uniformly, as a balanced router does): the pairs over the distinct experts they are
-/// expected to touch. Kimi-K2 (8 of 384): 1.0 at 1 token, 1.4 at 32, 1.8 at 64, 2.9 at 128.
-pub fn tokens_per_picked_expert(tokens: usize, top_k: usize, n_experts: usize) -> f64 {
-    if tokens == 0 || top_k == 0 || n_experts == 0 {
-        return 0.0;
-    }
-    let pick = (top_k.min(n_experts) as f64) / n_experts as f64;
-    let touched =
-        n_experts as f64 * (1.0 - (1.0 - pick).powi(tokens.min(i32::MAX as usize) as i32));
-    (tokens * top_k.min(n_experts)) as f64 / touched.max(1.0)
-}
-
-/// A kernel forced for every packed matmul (`kiln gpu-check`'s side-by-side timing), or none:
-/// the rule above chooses.
+/// A kernel forced for every packed matmul (`kiln gpu-check`'s side-by-side timing and its
+/// parity cases), or none: the tensor cores.
 #[derive(Default)]
 pub struct KernelOverride(AtomicU8);
 
@@ -99,12 +78,11 @@ impl KernelOverride {
         self.0.store(v, Ordering::Relaxed);
     }
 
-    /// The forced kernel, else the rule's for `tokens_per_read`.
-    pub fn choose(&self, tokens_per_read: f64) -> PackedKernel {
+    /// The forced kernel, else the tensor cores.
+    pub fn choose(&self) -> PackedKernel {
         match self.0.load(Ordering::Relaxed) {
             1 => PackedKernel::Fma,
-            2 => PackedKernel::TensorCores,
-            _ => kernel_for(tokens_per_read),
+            _ => PackedKernel::TensorCores,
         }
     }
 }
@@ -112,27 +90,6 @@ impl KernelOverride {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn one_token_reads_with_fmas_and_batches_on_the_tensor_cores() {
-        assert_eq!(kernel_for(1.0), PackedKernel::Fma);
-        assert_eq!(kernel_for(2.0), PackedKernel::TensorCores);
-        assert_eq!(kernel_for(32.0), PackedKernel::TensorCores);
-    }
-
-    #[test]
-    fn picked_experts_serve_more_tokens_as_the_batch_grows() {
-        // Kimi-K2: 8 of 384 experts a token.
-        let kimi = |t| tokens_per_picked_expert(t, 8, 384);
-        assert!((kimi(1) - 1.0).abs() < 1e-9, "{}", kimi(1));
-        assert!((1.3..1.45).contains(&kimi(32)), "{}", kimi(32));
-        assert!((2.7..3.0).contains(&kimi(128)), "{}", kimi(128));
-        assert_eq!(kernel_for(kimi(4)), PackedKernel::Fma);
-        assert_eq!(kernel_for(kimi(128)), PackedKernel::TensorCores);
-        // Every expert picked by every token: each serves all of them.
-        assert!((tokens_per_picked_expert(24, 4, 4) - 24.0).abs() < 1e-9);
-        assert_eq!(tokens_per_picked_expert(0, 8, 384), 0.0);
-    }
 
     #[test]
     fn short_rows_are_split_between_fewer_warps() {
@@ -150,14 +107,14 @@ mod tests {
     }
 
     #[test]
-    fn a_forced_kernel_overrides_the_rule_until_cleared() {
+    fn a_forced_kernel_holds_until_cleared() {
         let o = KernelOverride::default();
-        assert_eq!(o.choose(1.0), PackedKernel::Fma);
-        o.set(Some(PackedKernel::TensorCores));
-        assert_eq!(o.choose(1.0), PackedKernel::TensorCores);
+        assert_eq!(o.choose(), PackedKernel::TensorCores);
         o.set(Some(PackedKernel::Fma));
-        assert_eq!(o.choose(8.0), PackedKernel::Fma);
+        assert_eq!(o.choose(), PackedKernel::Fma);
+        o.set(Some(PackedKernel::TensorCores));
+        assert_eq!(o.choose(), PackedKernel::TensorCores);
         o.set(None);
-        assert_eq!(o.choose(8.0), PackedKernel::TensorCores);
+        assert_eq!(o.choose(), PackedKernel::TensorCores);
     }
 }

@@ -23,8 +23,7 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
 // Reading stored weight bytes (dequant.cu, packed_mma.cu): any alignment, little-endian.
 typedef unsigned char u8;
 
-__device__ __forceinline__ float f16_at(const u8* b) {
-    const unsigned short h = (unsigned short)(b[0] | (b[1] << 8));
+__device__ __forceinline__ float f16_bits_to_f32(unsigned short h) {
 #ifdef KILN_CUDASIM
     return kilnsim::f16_to_f32(h);  // cudasim (CUDA on the CPU): no PTX there
 #else
@@ -32,6 +31,10 @@ __device__ __forceinline__ float f16_at(const u8* b) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 #endif
+}
+
+__device__ __forceinline__ float f16_at(const u8* b) {
+    return f16_bits_to_f32((unsigned short)(b[0] | (b[1] << 8)));
 }
 
 __device__ __forceinline__ u32 u32_at(const u8* b) {

@@ -147,18 +147,26 @@ extern "C" __global__ void kiln_dequant_f8_blocks_bf16(const u8* __restrict__ sr
 // DeepSeek-V3's block FP8 as F8Blocks stay packed in GPU memory, a quarter and a half of bf16, and
 // this kernel reads them with bf16 activations. One warp per output row, its lanes striding over the
 // row's 32-value chunks, KILN_PACKED_TOKENS tokens per pass so each weight byte is read once per
-// pass: a single decoding token is bound by that read. Past it the FMAs (one per weight and
-// token) bind, and packed_mma.cu's tensor-core kernels take over (packed_kernel.rs: dense from 2
-// tokens, experts from 1.5 tokens a picked expert); the per-head matmul below keeps FMAs. Plain
-// loads and FMAs, so one source serves sm_90 and sm_120. out[t][row] = sum_c w[row][c] * x[t][c].
+// pass. packed_mma.cu's tensor-core kernels serve by default (packed_kernel.rs: half the
+// instructions per weight byte at one token, a fraction per extra token); these stay for
+// widths those do not take, as the alternative `kiln gpu-check` times, and for the per-head
+// matmul below. Plain loads and FMAs, so one source serves sm_90 and sm_120.
+// out[t][row] = sum_c w[row][c] * x[t][c].
 //
 // format 0: Q4_0 as the device lays it out (Q4 rows): per row, its cols / 32 f16 scales padded to
 // `width` bytes (a multiple of 16), then a 16-byte block of nibbles per 32 values; row_bytes =
-// width + cols / 2, a multiple of 16, so every block is one aligned 128-bit load.
+// width + cols / 2, a multiple of 16, so every block is one aligned 128-bit load. Within a block
+// the nibbles are in the tensor cores' order (packed_mma.cu): 32-bit word t holds, from its low
+// nibble up, values 2t, 2t + 8, 2t + 16, 2t + 24, then 2t + 1, 2t + 9, 2t + 17, 2t + 25, so the
+// lane that multiplies those columns takes one word and a shift and mask per pair of values.
 // format 1: F8Blocks(width), width a multiple of 32, row_bytes = cols / width * (4 + width). Grid: (ceil(rows / KILN_PACKED_WARPS),
 // ceil(n / KILN_PACKED_TOKENS)); block: 32 * KILN_PACKED_WARPS threads.
 #define KILN_PACKED_TOKENS 8
 #define KILN_PACKED_WARPS 8
+
+// The value (0..31) of a Q4 rows block's word t, nibble k (from the low end): 2t + 8k for
+// k < 4, 2t + 1 + 8(k - 4) after.
+#define Q4_NIBBLE_VALUE(t, k) (2 * (t) + ((k) >> 2) + 8 * ((k) & 3))
 
 // 16 bytes, aligned for one 128-bit load.
 struct alignas(16) Bytes16 {
@@ -167,18 +175,15 @@ struct alignas(16) Bytes16 {
 
 __device__ __forceinline__ void packed_chunk(const u8* row, int format, int width, int c, float* v) {
     if (format == 0) {
-        // Q4 rows: f16 scales at the row's start, block c's 16 nibble bytes at width + 16 c
-        // (Q4_0's order: the low nibbles are values 0..15, the high ones 16..31).
+        // Q4 rows: f16 scales at the row's start, block c's 16 nibble bytes at width + 16 c, word
+        // t's nibble k (from the low end) value Q4_NIBBLE_VALUE(t, k).
         const float d = f16_at(row + c * 2);
         const Bytes16 q = *(const Bytes16*)(row + width + (long)c * 16);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int t = 0; t < 4; t++) {
 #pragma unroll
-            for (int b = 0; b < 4; b++) {
-                const u32 byte = (q.w[i] >> (8 * b)) & 0xffu;
-                v[i * 4 + b] = (float)((int)(byte & 0x0fu) - 8) * d;
-                v[i * 4 + b + 16] = (float)((int)(byte >> 4) - 8) * d;
-            }
+            for (int k = 0; k < 8; k++)
+                v[Q4_NIBBLE_VALUE(t, k)] = (float)((int)((q.w[t] >> (4 * k)) & 0x0fu) - 8) * d;
         }
     } else {
         const int first = c * 32;
@@ -304,9 +309,10 @@ extern "C" __global__ void kiln_moe_matmul_bf16(const u8* __restrict__ w, int fo
         if (lane == 0 && t < nt) out[(long)(start + t) * rows + row] = f32_to_bf16(acc[t]);
 }
 
-// Stored Q4_0 blocks (18 bytes: an f16 scale, 16 bytes of nibbles) into Q4 rows (format 0 above):
-// block b of a row of `cols` values gives its scale to bytes 2b.. of the row and its nibbles to
-// bytes scales + 16b... Grid: ceil(n_blocks / 256); block: 256.
+// Stored Q4_0 blocks (18 bytes: an f16 scale, 16 bytes of nibbles, byte j holding value j low and
+// value j + 16 high) into Q4 rows (format 0 above): block b of a row of `cols` values gives its
+// scale to bytes 2b.. of the row and its nibbles, in the tensor cores' order, to bytes
+// scales + 16b... Grid: ceil(n_blocks / 256); block: 256.
 extern "C" __global__ void kiln_q4_0_to_rows(const u8* __restrict__ src, int cols, int scales,
                                              long row_bytes, long n_blocks, u8* __restrict__ dst) {
     const long blk = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -318,7 +324,16 @@ extern "C" __global__ void kiln_q4_0_to_rows(const u8* __restrict__ src, int col
     u8* r = dst + row * row_bytes;
     r[c * 2] = b[0];
     r[c * 2 + 1] = b[1];
-    for (int j = 0; j < 16; j++) r[scales + c * 16 + j] = b[2 + j];
+    const u8* q = b + 2;
+    for (int t = 0; t < 4; t++) {
+        u32 word = 0;
+        for (int k = 0; k < 8; k++) {
+            const int value = Q4_NIBBLE_VALUE(t, k);
+            const u32 nibble = value < 16 ? (q[value] & 0x0fu) : (q[value - 16] >> 4);
+            word |= nibble << (4 * k);
+        }
+        for (int i = 0; i < 4; i++) r[scales + c * 16 + 4 * t + i] = (u8)(word >> (8 * i));
+    }
 }
 
 // Q4 rows (format 0) widened to bf16 for cuBLASLt (prefill): one thread per 32-value block.

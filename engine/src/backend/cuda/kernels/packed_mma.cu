@@ -1,8 +1,8 @@
 // Weights multiplied as stored, on the tensor cores (W4A16 / W8A16, and bf16 rows): the layouts
 // dequant.cu's kiln_packed_matmul_bf16 reads (format 0 Q4 rows, 1 F8Blocks, 2 bf16 rows of a
-// multiple of 32 values), for the steps of 2 to 32 tokens where that kernel's FMAs, one per
-// weight and token, cost more than the weight bytes it waits on: verify steps, decode batches,
-// MoE experts with several tokens each.
+// multiple of 32 values), for 1 to 32 tokens: decode, verify steps, MoE experts. Its cost per
+// weight byte is a fixed unpacking and next to nothing per token, where that kernel spends an
+// FMA per weight and token (packed_kernel.rs has the counts).
 //
 // mma.sync m16n8k16 (bf16 in, f32 accumulate), sm_80's instruction: no wgmma, TMA or shared-
 // memory staging, so one source serves sm_90 and sm_120. The weights are the 16-row A operand and
@@ -15,9 +15,7 @@
 // (`splits`, below): the warps sharing 16 rows split their 32-value blocks (warp w takes blocks
 // w, w + splits, ...: together they read neighbouring bytes), so the 256-row slices column-split
 // experts have still fill the GPU, and sum through shared memory in warp order at the end
-// (deterministic, and within this kernel a token's result does not depend on its neighbours;
-// the FMA kernel sums in another order, so a token's bits differ between a one-token step and a
-// batch).
+// (deterministic: a token's result does not depend on its neighbours or the batch's size).
 #define KILN_MMA_WARPS 8
 #define KILN_MMA_TILES 4
 #define KILN_MMA_TOKENS (8 * KILN_MMA_TILES)
@@ -35,10 +33,22 @@ __device__ __forceinline__ void mma_m16n8k16(float* d, const u32* a, const u32* 
 #endif
 }
 
-// Two 4-bit values q (bits 0-3 and 16-19 of v, the rest clear) as the bf16 pair q - 8: or-ing q
-// into bf16 128.0's mantissa gives 128 + q exactly, and one packed FMA subtracts 136.
+// (a & mask) | bits in one LOP3 (the compiler's own form takes two: an instruction holds one
+// immediate).
+__device__ __forceinline__ u32 and_or(u32 a, u32 mask, u32 bits) {
+#ifdef KILN_CUDASIM
+    return (a & mask) | bits;
+#else
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+    return d;
+#endif
+}
+
+// Two 4-bit values q (bits 0-3 and 16-19 of v) as the bf16 pair q - 8: or-ing q into bf16 128.0's
+// mantissa gives 128 + q exactly, and one packed FMA subtracts 136.
 __device__ __forceinline__ u32 nibbles_to_bf16x2(u32 v) {
-    v |= 0x43004300u;
+    v = and_or(v, 0x000f000fu, 0x43004300u);
 #ifdef KILN_CUDASIM
     return (u32)f32_to_bf16(bf16_to_f32((bf16)(v & 0xffffu)) - 136.0f) |
            ((u32)f32_to_bf16(bf16_to_f32((bf16)(v >> 16)) - 136.0f) << 16);
@@ -47,14 +57,6 @@ __device__ __forceinline__ u32 nibbles_to_bf16x2(u32 v) {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3f803f80u), "r"(0xc308c308u));
     return r;
 #endif
-}
-
-// Two bytes' low nibbles (lo) or high nibbles (hi), as the bf16 pair q - 8.
-__device__ __forceinline__ u32 low_nibbles(u32 two_bytes) {
-    return nibbles_to_bf16x2((two_bytes & 0x000fu) | ((two_bytes & 0x0f00u) << 8));
-}
-__device__ __forceinline__ u32 high_nibbles(u32 two_bytes) {
-    return nibbles_to_bf16x2(((two_bytes >> 4) & 0x000fu) | ((two_bytes & 0xf000u) << 4));
 }
 
 // Two e4m3 bytes as a bf16 pair, exactly (every e4m3 value is a bf16 value).
@@ -67,25 +69,22 @@ __device__ __forceinline__ u32 u16_at(const u8* p) { return *(const unsigned sho
 
 // This lane's A words for one row (half h: 0 the tile's row g, 1 row g + 8) of block c (values
 // 32c .. 32c + 31) and the block's scale: a[s][h] holds columns 16s + 2t and the next,
-// a[s][2 + h] columns 16s + 2t + 8 and the next (t = lane % 4). A missing row (past the
-// matrix) gives zeros.
-__device__ __forceinline__ float row_block(const u8* row, int format, int width, int c, int t,
-                                           int h, u32 (*a)[4]) {
-    if (row == nullptr) {
-        a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = 0u;
-        return 0.0f;
-    }
-    if (format == 0) {
-        // Q4 rows: byte j of a block's 16 holds value j (low nibble) and value j + 16 (high).
-        const u8* q = row + width + (long)c * 16;
-        const u32 near = u16_at(q + 2 * t), far = u16_at(q + 2 * t + 8);
-        a[0][h] = low_nibbles(near);
-        a[0][2 + h] = low_nibbles(far);
-        a[1][h] = high_nibbles(near);
-        a[1][2 + h] = high_nibbles(far);
-        return f16_at(row + c * 2);
-    }
-    if (format == 1) {
+// a[s][2 + h] columns 16s + 2t + 8 and the next (t = lane % 4). `row` is the row's first byte;
+// FORMAT is a template argument so each format's loop is compiled alone, its addresses
+// advanced rather than recomputed.
+template <int FORMAT>
+__device__ __forceinline__ float row_block(const u8* row, int width, int c, int t, int h,
+                                           u32 (*a)[4]) {
+    if (FORMAT == 0) {
+        // Q4 rows (dequant.cu): word t of a block holds this lane's 8 values, nibble k value
+        // 2t + 8k (k < 4) and 2t + 1 + 8(k - 4), so each register's pair is a shift and a mask.
+        const u32 q = *(const u32*)(row + width + (long)c * 16 + 4 * t);
+        a[0][h] = nibbles_to_bf16x2(q);
+        a[0][2 + h] = nibbles_to_bf16x2(q >> 4);
+        a[1][h] = nibbles_to_bf16x2(q >> 8);
+        a[1][2 + h] = nibbles_to_bf16x2(q >> 12);
+        return f16_bits_to_f32(*(const unsigned short*)(row + c * 2));
+    } else if (FORMAT == 1) {
         // F8Blocks(width): per block of `width` values an f32 scale, then the e4m3 bytes.
         const int first = c * 32;
         const u8* block = row + (long)(first / width) * (4 + width);
@@ -95,22 +94,19 @@ __device__ __forceinline__ float row_block(const u8* row, int format, int width,
         a[1][h] = e4m3_to_bf16x2(u16_at(q + 16));
         a[1][2 + h] = e4m3_to_bf16x2(u16_at(q + 24));
         return __uint_as_float(u32_at(block));
+    } else {
+        const u32* p = (const u32*)row + c * 16;
+        a[0][h] = p[t];
+        a[0][2 + h] = p[4 + t];
+        a[1][h] = p[8 + t];
+        a[1][2 + h] = p[12 + t];
+        return 1.0f;
     }
-    const u32* p = (const u32*)row + c * 16;
-    a[0][h] = p[t];
-    a[0][2 + h] = p[4 + t];
-    a[1][h] = p[8 + t];
-    a[1][2 + h] = p[12 + t];
-    return 1.0f;
 }
 
-// This lane's B words of block c for its token (nullptr: a token past the run, zeros): b[s][r]
-// holds columns 16s + 8r + 2t and the next of the token's row.
+// This lane's B words of block c for its token: b[s][r] holds columns 16s + 8r + 2t and the
+// next of the token's row.
 __device__ __forceinline__ void token_block(const bf16* x, int c, int t, u32 (*b)[2]) {
-    if (x == nullptr) {
-        b[0][0] = b[0][1] = b[1][0] = b[1][1] = 0u;
-        return;
-    }
     const u32* p = (const u32*)(x + (long)c * 32);
     b[0][0] = p[t];
     b[0][1] = p[4 + t];
@@ -118,30 +114,78 @@ __device__ __forceinline__ void token_block(const bf16* x, int c, int t, u32 (*b
     b[1][1] = p[12 + t];
 }
 
-// The thread block's rows against up to KILN_MMA_TOKENS tokens (xrow[j]: this lane's token of
-// tile j, i.e. token 8j + lane / 4, nullptr past the run): out[tok * rows + row] for tok < nt.
-// The block's warps form KILN_MMA_WARPS / splits groups of `splits` (1, 2, 4 or 8); group q
-// takes the 16 rows from block_row0 + 16q, its warps every splits-th 32-value block of them,
-// so a short row (few blocks) is not cut thinner than the sum in shared memory costs. Every
-// warp of the block calls it (it synchronizes).
-__device__ __forceinline__ void mma_rows_times_tokens(const u8* w, int format, int width,
-                                                      long row_bytes, int rows, int block_row0,
-                                                      int cols, int splits,
-                                                      const bf16* const* xrow, int nt,
-                                                      bf16* __restrict__ out) {
-    __shared__ float partial[KILN_MMA_WARPS][KILN_MMA_TILES * 4][32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = block_row0 + 16 * (warp / splits);
-    const int tiles = (nt + 7) / 8;
-    const u8* near = row0 + g < rows ? w + (long)(row0 + g) * row_bytes : nullptr;
-    const u8* far = row0 + g + 8 < rows ? w + (long)(row0 + g + 8) * row_bytes : nullptr;
-    float acc[KILN_MMA_TILES][4];
-    for (int j = 0; j < KILN_MMA_TILES; j++)
-        for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
-    for (int c = warp % splits; c < cols / 32; c += splits) {
+// One warp's share of its 16 rows (near: row g's first byte, far: row g + 8's) against the
+// tokens (xrow[j]: this lane's token of tile j), blocks c0, c0 + step, ... of `chunks`: acc[j]
+// gets the lane's D values of tile j.
+template <int FORMAT>
+__device__ __forceinline__ void mma_warp_share(const u8* near, const u8* far, int width,
+                                               int chunks, int c0, int step, int tiles,
+                                               const bf16* const* xrow,
+                                               float (*acc)[4]) {
+    const int t = threadIdx.x & 3;
+    if (FORMAT == 0) {
+        // Q4 rows, the experts' format: every pointer walks, one add a block each (a fifth of
+        // the loop's instructions, against indexing from the block number).
+        const unsigned short* sn = (const unsigned short*)near + c0;
+        const unsigned short* sf = (const unsigned short*)far + c0;
+        const u32* qn = (const u32*)(near + width) + 4 * c0 + t;
+        const u32* qf = (const u32*)(far + width) + 4 * c0 + t;
+        const u32* xp[KILN_MMA_TILES];
+        for (int j = 0; j < KILN_MMA_TILES; j++) xp[j] = (const u32*)xrow[j] + 16 * c0 + t;
+        // The next block's words and scales are loaded before this block is multiplied: one
+        // block's 256 bytes a warp are too few to cover the memory's latency at the warps an SM
+        // holds, two in flight are not.
+        u32 wn = 0, wf = 0;
+        unsigned short hn = 0, hf = 0;
+        if (c0 < chunks) {
+            wn = *qn;
+            wf = *qf;
+            hn = *sn;
+            hf = *sf;
+        }
+        for (int c = c0; c < chunks; c += step) {
+            const u32 cn = wn, cf = wf;
+            const float s_near = f16_bits_to_f32(hn), s_far = f16_bits_to_f32(hf);
+            if (c + step < chunks) {
+                qn += 4 * step;
+                qf += 4 * step;
+                sn += step;
+                sf += step;
+                wn = *qn;
+                wf = *qf;
+                hn = *sn;
+                hf = *sf;
+            }
+            u32 a[2][4];
+            a[0][0] = nibbles_to_bf16x2(cn);
+            a[0][2] = nibbles_to_bf16x2(cn >> 4);
+            a[1][0] = nibbles_to_bf16x2(cn >> 8);
+            a[1][2] = nibbles_to_bf16x2(cn >> 12);
+            a[0][1] = nibbles_to_bf16x2(cf);
+            a[0][3] = nibbles_to_bf16x2(cf >> 4);
+            a[1][1] = nibbles_to_bf16x2(cf >> 8);
+            a[1][3] = nibbles_to_bf16x2(cf >> 12);
+#pragma unroll
+            for (int j = 0; j < KILN_MMA_TILES; j++) {
+                if (j >= tiles) break;  // uniform over the block: the warp stays converged
+                const u32* p = xp[j];
+                const u32 b0[2] = {p[0], p[4]}, b1[2] = {p[8], p[12]};
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_m16n8k16(d, a[0], b0);
+                mma_m16n8k16(d, a[1], b1);
+                acc[j][0] += s_near * d[0];
+                acc[j][1] += s_near * d[1];
+                acc[j][2] += s_far * d[2];
+                acc[j][3] += s_far * d[3];
+                xp[j] = p + 16 * step;
+            }
+        }
+        return;
+    }
+    for (int c = c0; c < chunks; c += step) {
         u32 a[2][4];
-        const float s_near = row_block(near, format, width, c, t, 0, a);
-        const float s_far = row_block(far, format, width, c, t, 1, a);
+        const float s_near = row_block<FORMAT>(near, width, c, t, 0, a);
+        const float s_far = row_block<FORMAT>(far, width, c, t, 1, a);
 #pragma unroll
         for (int j = 0; j < KILN_MMA_TILES; j++) {
             if (j >= tiles) break;  // uniform over the block: the warp stays converged
@@ -156,6 +200,37 @@ __device__ __forceinline__ void mma_rows_times_tokens(const u8* w, int format, i
             acc[j][3] += s_far * p[3];
         }
     }
+}
+
+// The thread block's rows against up to KILN_MMA_TOKENS tokens (xrow[j]: this lane's token of
+// tile j, i.e. token 8j + lane / 4; past the run, any token of it): out[tok * rows + row] for
+// tok < nt. The block's warps form KILN_MMA_WARPS / splits groups of `splits` (1, 2, 4 or 8);
+// group q takes the 16 rows from block_row0 + 16q, its warps every splits-th 32-value block of
+// them, so a short row (few blocks) is not cut thinner than the sum in shared memory costs. A
+// row past the matrix reads the last row instead and a token past the run another token of it:
+// their D values are never written, so the loop needs no tests. Every warp of the block calls
+// it (it synchronizes).
+__device__ __forceinline__ void mma_rows_times_tokens(const u8* w, int format, int width,
+                                                      long row_bytes, int rows, int block_row0,
+                                                      int cols, int splits,
+                                                      const bf16* const* xrow, int nt,
+                                                      bf16* __restrict__ out) {
+    __shared__ float partial[KILN_MMA_WARPS][KILN_MMA_TILES * 4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+    const int row0 = block_row0 + 16 * (warp / splits);
+    const int tiles = (nt + 7) / 8;
+    const u8* near = w + (long)min(row0 + g, rows - 1) * row_bytes;
+    const u8* far = w + (long)min(row0 + g + 8, rows - 1) * row_bytes;
+    float acc[KILN_MMA_TILES][4];
+    for (int j = 0; j < KILN_MMA_TILES; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
+    const int chunks = cols / 32, c0 = warp % splits;
+    if (format == 0)
+        mma_warp_share<0>(near, far, width, chunks, c0, splits, tiles, xrow, acc);
+    else if (format == 1)
+        mma_warp_share<1>(near, far, width, chunks, c0, splits, tiles, xrow, acc);
+    else
+        mma_warp_share<2>(near, far, width, chunks, c0, splits, tiles, xrow, acc);
     for (int j = 0; j < KILN_MMA_TILES; j++)
         for (int i = 0; i < 4; i++) partial[warp][j * 4 + i][lane] = acc[j][i];
     __syncthreads();
@@ -186,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_packed_mm
     const bf16* xrow[KILN_MMA_TILES];
     for (int j = 0; j < KILN_MMA_TILES; j++) {
         const int tok = 8 * j + g;
-        xrow[j] = tok < nt ? x + (long)(t0 + tok) * cols : nullptr;
+        xrow[j] = x + (long)(t0 + min(tok, nt - 1)) * cols;
     }
     const int block_rows = 16 * (KILN_MMA_WARPS / splits);
     mma_rows_times_tokens(w, format, width, row_bytes, rows, blockIdx.x * block_rows, cols,
@@ -210,8 +285,9 @@ extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_moe_mma_b
     const bf16* xrow[KILN_MMA_TILES];
     for (int j = 0; j < KILN_MMA_TILES; j++) {
         const int tok = 8 * j + g;
-        const long src = tok >= nt ? -1 : gather_k > 0 ? pair_of_pos[start + tok] / gather_k : start + tok;
-        xrow[j] = src < 0 ? nullptr : x + src * cols;
+        const int pos = start + min(tok, nt - 1);
+        const long src = gather_k > 0 ? pair_of_pos[pos] / gather_k : pos;
+        xrow[j] = x + src * cols;
     }
     const int block_rows = 16 * (KILN_MMA_WARPS / splits);
     mma_rows_times_tokens(w + (long)e * rows * row_bytes, format, width, row_bytes, rows,
