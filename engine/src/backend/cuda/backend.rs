@@ -256,7 +256,7 @@ pub struct CudaBackend {
     /// Replaying a graph: ops stage their inputs and launch nothing (read on every launch).
     pub(super) replaying: AtomicBool,
     /// A packed-weight kernel forced for every matmul (`kiln gpu-check`'s timings), or the
-    /// rule's choice (packed_kernel.rs).
+    /// tensor cores (packed_kernel.rs).
     pub(super) packed_kernel: KernelOverride,
     /// The tensor-parallel group's watch on graph replays (their collectives are the graph's),
     /// once this rank has joined a group over NCCL.
@@ -438,11 +438,13 @@ impl CudaBackend {
     }
 
     /// Forces `kernel` for every matmul over packed weights at decode sizes (`None`: the
-    /// rule in packed_kernel.rs chooses), so the two can be timed side by side. Recorded
+    /// tensor cores, FMAs only for expert widths they do not take: packed_kernel.rs), so the
+    /// two can be timed and checked side by side. Recorded
     /// graphs hold the kernels they were recorded with: they are dropped.
     pub fn force_packed_kernel(&self, kernel: Option<PackedKernel>) -> Result<()> {
+        self.forget_graphs()?;
         self.packed_kernel.set(kernel);
-        self.forget_graphs()
+        Ok(())
     }
 
     /// Enqueues a launch, unless a graph replay is only staging its inputs (the graph holds

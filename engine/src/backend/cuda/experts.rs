@@ -527,8 +527,9 @@ pub struct MoeScratch {
 }
 
 /// Kimi-K2's routed experts (one layer, 384 INT4 experts, 8 a token) timed on GPU 0 at batch 1
-/// to 128 (`kiln gpu-check`) with each expert kernel forced in turn, side by side (where the
-/// tensor cores should take over: packed_kernel.rs), with the GPU's peak read bandwidth where
+/// to 128 (`kiln gpu-check`) with each expert kernel forced in turn, side by side (whether the
+/// tensor cores, the default, beat FMAs at every size: packed_kernel.rs), with the GPU's peak
+/// read bandwidth where
 /// the driver reports it. Every point runs the grouped kernels: Kimi-K2's widths are multiples
 /// of 32 and 128 tokens make 1,024 pairs, the most DEVICE_GROUPED_MAX_PAIRS keeps on them.
 pub fn kimi_moe_layer_speed(seed: u64) -> Result<(Vec<MoeLayerPoint>, Option<f64>)> {

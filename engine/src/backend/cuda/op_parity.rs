@@ -139,7 +139,7 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
         out.push((format!("weights stored as {dtype:?}"), b.to_host(&y)?));
     }
 
-    out.extend(packed_matmul_cases(b, &mut rng)?);
+    out.extend(packed_matmul_cases(b, &mut rng, &[1, 2, 12, 32, 40])?);
 
     // Bias, norms, activation, residual add.
     let (rows, width) = (5usize, 320usize);
@@ -224,7 +224,7 @@ fn outputs<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
     }
 
     out.extend(per_head_cases(b, &mut rng)?);
-    out.extend(routed_expert_cases(b, &mut rng)?);
+    out.extend(routed_expert_cases(b, &mut rng, &[3, 100, 300])?);
     out.extend(attention(
         b,
         &mut rng,
@@ -307,7 +307,11 @@ fn per_head_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String
 /// packed kernels, two parts stacked. Q4_0 at 160 columns has Q4 rows whose scales are padded;
 /// the widths give the tensor cores' every split of a block's warps between rows (8 at 1024
 /// columns, 4 at 512, 2 at 256, 1 at 160).
-fn packed_matmul_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
+fn packed_matmul_cases<B: Backend>(
+    b: &B,
+    rng: &mut ChaCha8Rng,
+    tokens: &[usize],
+) -> Result<Vec<(String, Vec<f32>)>> {
     let mut out = Vec::new();
     for (dtype, cols) in [
         (DType::Q4_0, 512usize),
@@ -322,7 +326,7 @@ fn packed_matmul_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(S
             stored(rng, dtype, rows - 20, cols)?,
         ];
         let m = b.matrix(&parts, Precision::Exact)?;
-        for n in [1usize, 2, 12, 32, 40] {
+        for &n in tokens {
             let x = random(rng, n * cols, 1.0);
             let xb = buffer(b, n, cols, &x)?;
             let mut y = b.buffer(0, 0)?;
@@ -336,13 +340,14 @@ fn packed_matmul_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(S
     Ok(out)
 }
 
-/// The packed-weight cases again (dense and routed experts), for the GPU with its FMA kernels
-/// forced: the tensor cores serve by default, and the FMA kernels stay as the measured
-/// alternative `kiln gpu-check` times, so they are checked too.
+/// The packed-weight cases at the sizes the packed kernels serve (dense up to 32 tokens, experts
+/// up to 1,024 pairs), for the GPU with its FMA kernels forced: the tensor cores serve by
+/// default, and the FMA kernels stay as the measured alternative `kiln gpu-check` times, so
+/// they are checked too.
 fn packed_cases<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xf3a);
-    let mut out = packed_matmul_cases(b, &mut rng)?;
-    out.extend(routed_expert_cases(b, &mut rng)?);
+    let mut out = packed_matmul_cases(b, &mut rng, &[1, 2, 12, 32])?;
+    out.extend(routed_expert_cases(b, &mut rng, &[3, 100])?);
     Ok(out)
 }
 
@@ -351,7 +356,11 @@ fn packed_cases<B: Backend>(b: &B, seed: u64) -> Result<Vec<(String, Vec<f32>)>>
 /// 100 with 25 a picked expert, so some take several tiles) and a prefill
 /// (300 tokens: 1,200 pairs, past the grouped kernels, so per-expert GEMMs), experts packed as
 /// stored and in bf16.
-fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(String, Vec<f32>)>> {
+fn routed_expert_cases<B: Backend>(
+    b: &B,
+    rng: &mut ChaCha8Rng,
+    tokens: &[usize],
+) -> Result<Vec<(String, Vec<f32>)>> {
     let spec = crate::backend::RouteSpec {
         n_experts: 16,
         n_group: 4,
@@ -382,7 +391,7 @@ fn routed_expert_cases<B: Backend>(b: &B, rng: &mut ChaCha8Rng) -> Result<Vec<(S
             })
             .collect::<Result<Vec<_>>>()?;
         let experts = b.experts(experts, Precision::Exact)?;
-        for n in [3usize, 100, 300] {
+        for &n in tokens {
             let h = buffer(b, n, hidden, &random(rng, n * hidden, 1.0))?;
             let logits = buffer(b, n, spec.n_experts, &random(rng, n * spec.n_experts, 4.0))?;
             let mut y = buffer(b, n, hidden, &random(rng, n * hidden, 1.0))?;

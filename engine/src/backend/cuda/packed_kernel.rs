@@ -3,15 +3,17 @@
 //! `kiln_moe_mma_bf16`), or one warp per row with FMAs (dequant.cu's `kiln_packed_matmul_bf16`
 //! and `kiln_moe_matmul_bf16`).
 //!
-//! The tensor cores serve every size, one token included. Counted in the compiled code (ptxas
-//! for sm_90 and sm_120, README "Packed weights on the tensor cores"), the FMA kernel issues
-//! about 18 instructions per weight byte at one token and 6.6 more per extra token; the
-//! tensor-core kernel about 7 to 9, and 2 to 2.5 more per 8 tokens. An H100 issues about 10 per
-//! byte of its memory bandwidth, so at one token only the tensor-core kernel can keep up with the
-//! weights there; and one kernel at every size gives a token the same bits alone or in a batch.
-//! The FMA kernels stay for widths the tensor-core kernel does not take (bf16 experts whose rows
-//! are no multiple of 32 values) and as the measured alternative: `kiln gpu-check` times a
-//! Kimi-K2 MoE layer with each kernel forced, side by side, and compares both with the CPU.
+//! The tensor cores serve every decode size, one token included. Counted in the compiled code
+//! (ptxas for sm_90 and sm_120; docs/performance.md, "Packed weights on the tensor cores"), the
+//! FMA kernel issues about 18 instructions per INT4 weight byte at one token and 6.6 more per
+//! extra token; the tensor-core kernel 7.1 (sm_120) to 9.3 (sm_90), and 1.9 to 2.6 more per 8
+//! tokens. An H100 issues about 10 per byte of its memory bandwidth, so at one token only the
+//! tensor-core kernel can keep up with the weights there; and one packed kernel at every decode
+//! size (up to 32 tokens dense, 1,024 pairs for experts) gives a token the same bits alone or in
+//! a batch there. The FMA kernels stay for widths the tensor-core kernel does not take (bf16
+//! experts whose rows are no multiple of 32 values) and as the measured alternative: `kiln
+//! gpu-check` times a Kimi-K2 MoE layer with each kernel forced, side by side, and compares both
+//! with the CPU.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -21,8 +23,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub enum PackedKernel {
     /// One warp per output row, FMAs, 8 tokens per pass.
     Fma,
-    /// mma.sync m16n8k16, 16 rows per thread block (its 8 warps split the rows' blocks), up to
-    /// 32 tokens per pass.
+    /// mma.sync m16n8k16, 16 to 128 rows per thread block (`rows_per_block`: warps sharing 16
+    /// rows split their blocks), up to 32 tokens per pass.
     TensorCores,
 }
 

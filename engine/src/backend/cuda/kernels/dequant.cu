@@ -148,9 +148,9 @@ extern "C" __global__ void kiln_dequant_f8_blocks_bf16(const u8* __restrict__ sr
 // this kernel reads them with bf16 activations. One warp per output row, its lanes striding over the
 // row's 32-value chunks, KILN_PACKED_TOKENS tokens per pass so each weight byte is read once per
 // pass. packed_mma.cu's tensor-core kernels serve by default (packed_kernel.rs: half the
-// instructions per weight byte at one token, a fraction per extra token); these stay for
-// widths those do not take, as the alternative `kiln gpu-check` times, and for the per-head
-// matmul below. Plain loads and FMAs, so one source serves sm_90 and sm_120.
+// instructions per weight byte at one token, a fraction per extra token); these stay for bf16
+// experts whose widths are no multiple of 32, as the alternative `kiln gpu-check` times and
+// checks, and (row_times_tokens) for the per-head matmul below. Plain loads and FMAs, so one source serves sm_90 and sm_120.
 // out[t][row] = sum_c w[row][c] * x[t][c].
 //
 // format 0: Q4_0 as the device lays it out (Q4 rows): per row, its cols / 32 f16 scales padded to

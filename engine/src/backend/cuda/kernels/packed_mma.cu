@@ -70,21 +70,12 @@ __device__ __forceinline__ u32 u16_at(const u8* p) { return *(const unsigned sho
 // This lane's A words for one row (half h: 0 the tile's row g, 1 row g + 8) of block c (values
 // 32c .. 32c + 31) and the block's scale: a[s][h] holds columns 16s + 2t and the next,
 // a[s][2 + h] columns 16s + 2t + 8 and the next (t = lane % 4). `row` is the row's first byte;
-// FORMAT is a template argument so each format's loop is compiled alone, its addresses
-// advanced rather than recomputed.
+// FORMAT (1 F8Blocks, 2 bf16 rows; Q4 rows have their own loop below) is a template argument
+// so each format's loop is compiled alone.
 template <int FORMAT>
 __device__ __forceinline__ float row_block(const u8* row, int width, int c, int t, int h,
                                            u32 (*a)[4]) {
-    if (FORMAT == 0) {
-        // Q4 rows (dequant.cu): word t of a block holds this lane's 8 values, nibble k value
-        // 2t + 8k (k < 4) and 2t + 1 + 8(k - 4), so each register's pair is a shift and a mask.
-        const u32 q = *(const u32*)(row + width + (long)c * 16 + 4 * t);
-        a[0][h] = nibbles_to_bf16x2(q);
-        a[0][2 + h] = nibbles_to_bf16x2(q >> 4);
-        a[1][h] = nibbles_to_bf16x2(q >> 8);
-        a[1][2 + h] = nibbles_to_bf16x2(q >> 12);
-        return f16_bits_to_f32(*(const unsigned short*)(row + c * 2));
-    } else if (FORMAT == 1) {
+    if constexpr (FORMAT == 1) {
         // F8Blocks(width): per block of `width` values an f32 scale, then the e4m3 bytes.
         const int first = c * 32;
         const u8* block = row + (long)(first / width) * (4 + width);
@@ -123,9 +114,11 @@ __device__ __forceinline__ void mma_warp_share(const u8* near, const u8* far, in
                                                const bf16* const* xrow,
                                                float (*acc)[4]) {
     const int t = threadIdx.x & 3;
-    if (FORMAT == 0) {
-        // Q4 rows, the experts' format: every pointer walks, one add a block each (a fifth of
-        // the loop's instructions, against indexing from the block number).
+    if constexpr (FORMAT == 0) {
+        // Q4 rows, the experts' format: word t of a block holds this lane's 8 values (nibble k
+        // value 2t + 8k for k < 4, 2t + 1 + 8(k - 4) after: dequant.cu), so each register's pair
+        // is a shift, a mask and a packed FMA. Every pointer walks, one add a block each (a fifth
+        // of the loop's instructions, against indexing from the block number).
         const unsigned short* sn = (const unsigned short*)near + c0;
         const unsigned short* sf = (const unsigned short*)far + c0;
         const u32* qn = (const u32*)(near + width) + 4 * c0 + t;
@@ -180,24 +173,24 @@ __device__ __forceinline__ void mma_warp_share(const u8* near, const u8* far, in
                 xp[j] = p + 16 * step;
             }
         }
-        return;
-    }
-    for (int c = c0; c < chunks; c += step) {
-        u32 a[2][4];
-        const float s_near = row_block<FORMAT>(near, width, c, t, 0, a);
-        const float s_far = row_block<FORMAT>(far, width, c, t, 1, a);
+    } else {
+        for (int c = c0; c < chunks; c += step) {
+            u32 a[2][4];
+            const float s_near = row_block<FORMAT>(near, width, c, t, 0, a);
+            const float s_far = row_block<FORMAT>(far, width, c, t, 1, a);
 #pragma unroll
-        for (int j = 0; j < KILN_MMA_TILES; j++) {
-            if (j >= tiles) break;  // uniform over the block: the warp stays converged
-            u32 b[2][2];
-            token_block(xrow[j], c, t, b);
-            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_m16n8k16(p, a[0], b[0]);
-            mma_m16n8k16(p, a[1], b[1]);
-            acc[j][0] += s_near * p[0];
-            acc[j][1] += s_near * p[1];
-            acc[j][2] += s_far * p[2];
-            acc[j][3] += s_far * p[3];
+            for (int j = 0; j < KILN_MMA_TILES; j++) {
+                if (j >= tiles) break;  // uniform over the block: the warp stays converged
+                u32 b[2][2];
+                token_block(xrow[j], c, t, b);
+                float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_m16n8k16(p, a[0], b[0]);
+                mma_m16n8k16(p, a[1], b[1]);
+                acc[j][0] += s_near * p[0];
+                acc[j][1] += s_near * p[1];
+                acc[j][2] += s_far * p[2];
+                acc[j][3] += s_far * p[3];
+            }
         }
     }
 }
