@@ -92,7 +92,11 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "packed_mma.cu",
         source: include_str!("kernels/packed_mma.cu"),
-        entry_points: &["kiln_packed_mma_bf16", "kiln_moe_mma_bf16"],
+        entry_points: &[
+            "kiln_packed_mma_bf16",
+            "kiln_moe_mma_bf16",
+            "kiln_mma_layout_check",
+        ],
     },
     KernelSource {
         file: "allreduce.cu",

@@ -284,6 +284,38 @@ fn silu_mul_and_embed(d: &Device, rng: &mut ChaCha8Rng) -> R<Vec<OpParity>> {
     Ok(vec![silu, embed])
 }
 
+/// The tensor cores' fragment layouts (packed_mma.cu's `kiln_mma_layout_check`): one mma.sync
+/// of a random 16x16 by 16x8 product against the host's. Products of bf16 values are exact in
+/// f32 and the sums of 16 agree to f32 rounding; a value in the wrong register is off by the
+/// size of the values.
+fn mma_layout(d: &Device, rng: &mut ChaCha8Rng) -> R<OpParity> {
+    let a = random_bf16(rng, 16 * 16, 1.0);
+    let b = random_bf16(rng, 8 * 16, 1.0); // b[n][k]
+    let (a_d, b_d) = (d.up(&a)?, d.up(&b)?);
+    let mut out_d = d.up(&vec![f32::NAN; 16 * 8])?;
+    let mut l = d.stream.launch_builder(d.f("kiln_mma_layout_check")?);
+    l.arg(&a_d).arg(&b_d).arg(&mut out_d);
+    // SAFETY: as packed_mma.cu declares: one warp, a 16x16, b 8x16, out 16x8.
+    unsafe { l.launch(cfg((1, 1), 32)) }.map_err(err("launch"))?;
+    let got = d.down(&out_d)?;
+    let want: Vec<f32> = (0..16)
+        .flat_map(|row| {
+            let (a, b) = (&a, &b);
+            (0..8).map(move |n| {
+                (0..16)
+                    .map(|k| a[row * 16 + k].to_f32() * b[n * 16 + k].to_f32())
+                    .sum::<f32>()
+            })
+        })
+        .collect();
+    Ok(result(
+        "mma.sync",
+        "m16n8k16 bf16 fragment layout".into(),
+        rel_error(&got, &want),
+        1e-5,
+    ))
+}
+
 /// Runs every case on device 0. Err when there is no usable device or a launch fails.
 pub fn run(seed: u64) -> R<Vec<OpParity>> {
     let d = Device::open()?;
@@ -295,6 +327,7 @@ pub fn run(seed: u64) -> R<Vec<OpParity>> {
         rope(&d, &mut rng, true)?,
     ];
     out.extend(silu_mul_and_embed(&d, &mut rng)?);
+    out.push(mma_layout(&d, &mut rng)?);
     d.stream.synchronize().map_err(err("synchronize"))?;
     Ok(out)
 }

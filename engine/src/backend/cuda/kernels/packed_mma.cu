@@ -287,3 +287,24 @@ extern "C" __global__ void __launch_bounds__(32 * KILN_MMA_WARPS) kiln_moe_mma_b
                           blockIdx.x * block_rows, cols, splits, xrow, nt,
                           out + (long)start * rows);
 }
+
+// The fragment layouts every kernel above relies on, checked alone (`kiln gpu-check`): one warp
+// loads a row-major 16x16 A and a 16x8 B (stored b[n][k], as token rows are) into its registers
+// where the PTX ISA puts them (lane l, g = l / 4, t = l % 4: A word r holds row g + 8 (r % 2),
+// columns 2t + 8 (r / 2) and the next; B word r rows 2t + 8r and the next of column g), runs one
+// mma.sync and writes D from where it lands (value r: row g + 8 (r / 2), column 2t + r % 2) to a
+// row-major 16x8 d. A wrong layout gives a wrong product here, naming the cause where the packed
+// cases would only fail. Grid: 1; block: 32.
+extern "C" __global__ void kiln_mma_layout_check(const bf16* __restrict__ a,
+                                                 const bf16* __restrict__ b,
+                                                 float* __restrict__ d) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32* a32 = (const u32*)a;  // 8 words a row
+    const u32* b32 = (const u32*)b;  // 8 words a column (b[n][k])
+    u32 af[4], bf[2];
+    for (int r = 0; r < 4; r++) af[r] = a32[(g + 8 * (r % 2)) * 8 + t + 4 * (r / 2)];
+    for (int r = 0; r < 2; r++) bf[r] = b32[g * 8 + t + 4 * r];
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_m16n8k16(acc, af, bf);
+    for (int r = 0; r < 4; r++) d[(g + 8 * (r / 2)) * 8 + 2 * t + r % 2] = acc[r];
+}
