@@ -321,6 +321,43 @@ fn smollm2_on_the_simulated_gpu_follows_transformers() {
     );
 }
 
+/// `kiln serve --device cuda --model MODEL` on `devices` simulated GPUs with a 2,048-token cache
+/// and graphs for batches up to `graph_max_bs`, cudasim's counts written to `stats`; `args` and
+/// `env` add to those.
+fn serve_on_sim(
+    port: u16,
+    model: &Path,
+    devices: usize,
+    graph_max_bs: usize,
+    stats: &Path,
+    args: &[&str],
+    env: Vec<(String, String)>,
+) -> Server {
+    let (port_arg, model_arg, bs_arg) = (
+        port.to_string(),
+        model.display().to_string(),
+        graph_max_bs.to_string(),
+    );
+    let mut all = vec![
+        "--port",
+        &port_arg,
+        "--model",
+        &model_arg,
+        "--device",
+        "cuda",
+        "--kv-tokens",
+        "2048",
+        "--cuda-graph-max-bs",
+        &bs_arg,
+    ];
+    all.extend_from_slice(args);
+    let mut vars = sim_env(devices);
+    vars.push(("KILN_CUDASIM_STATS".into(), stats.display().to_string()));
+    vars.extend(env);
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    Server::start_with_env(port, &all, &vars)
+}
+
 /// Completions through `kiln serve --device cuda`: one request at a time, so eager and replayed
 /// steps see the same batches and must give the same tokens bit for bit.
 fn served_tokens(
@@ -335,26 +372,8 @@ fn served_tokens(
         "kiln-cudasim-stats-{}-{port}.json",
         std::process::id()
     ));
-    let model_arg = model.display().to_string();
-    let port_arg = port.to_string();
     // Graphs for batches of 1, 2 and 4 only: each bucket is warmed up and recorded at start.
-    let mut all = vec![
-        "--port",
-        &port_arg,
-        "--model",
-        &model_arg,
-        "--device",
-        "cuda",
-        "--kv-tokens",
-        "2048",
-        "--cuda-graph-max-bs",
-        "4",
-    ];
-    all.extend_from_slice(args);
-    let mut env = sim_env(devices);
-    env.push(("KILN_CUDASIM_STATS".into(), stats.display().to_string()));
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut server = Server::start_with_env(port, &all, &env);
+    let mut server = serve_on_sim(port, model, devices, 4, &stats, args, Vec::new());
     let (_, models) = server.request("GET", "/v1/models", &[], b"");
     let models: serde_json::Value = serde_json::from_str(&models).expect("/v1/models");
     let id = models["data"][0]["id"].clone();
@@ -759,38 +778,23 @@ fn a_gpu_hanging_in_a_replayed_graph_ends_the_server_for_its_service_manager() {
     let _cleanup = RemoveOnDrop(vec![dir.clone(), stats_file.clone(), fault.clone()]);
     let _ = std::fs::remove_file(&fault);
     let port = free_port();
-    let (port_arg, model_arg) = (port.to_string(), dir.display().to_string());
     // A 10 s deadline: it also bounds the ranks' joining and every healthy step, which other
     // tests running beside this one slow down.
     let args = [
-        "--port",
-        &port_arg,
-        "--model",
-        &model_arg,
-        "--device",
-        "cuda",
-        "--kv-tokens",
-        "2048",
-        "--cuda-graph-max-bs",
-        "2",
         "--tensor-parallel-size",
         "2",
         "--tp-collective-timeout",
         "10",
     ];
-    let mut env = sim_env(2);
-    env.push((
-        "KILN_CUDASIM_STATS".into(),
-        stats_file.display().to_string(),
-    ));
-    env.push((
-        "KILN_CUDASIM_NCCL_STALL".into(),
-        format!("0:{}", fault.display()),
-    ));
-    // Should the watchdogs never abort, the simulation ends the server instead of hanging.
-    env.push(("KILN_CUDASIM_NCCL_WAIT_S".into(), "100".into()));
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut server = Server::start_with_env(port, &args, &env);
+    let env = vec![
+        (
+            "KILN_CUDASIM_NCCL_STALL".to_string(),
+            format!("0:{}", fault.display()),
+        ),
+        // Should the watchdogs never abort, the simulation ends the server instead of hanging.
+        ("KILN_CUDASIM_NCCL_WAIT_S".to_string(), "100".to_string()),
+    ];
+    let mut server = serve_on_sim(port, &dir, 2, 2, &stats_file, &args, env);
     let body = serde_json::json!({"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
     // Healthy first: decode steps replay their graphs.
     let (status, v) = server.post_json("/v1/completions", &body);
